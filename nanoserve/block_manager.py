@@ -1,0 +1,138 @@
+"""BlockManager: the paged KV cache's bookkeeping (which block belongs to whom) and the prefix cache.
+
+Owns: the pool of `num_blocks` KV blocks, their reference counts and the prefix-cache index
+(hash of a full block -> block id). Does not own: the K/V tensors (model_runner) or scheduling.
+The prefix cache: a full block's hash chains its predecessor's hash, so equal hashes mean equal
+prefixes; a hit also compares the token ids, so a hash collision can never serve wrong K/V.
+A block is registered only once its K/V are computed (`hash_computed_blocks`), and a freed block
+keeps its hash and stays hittable until it is handed out again (least recently freed first).
+Invariant: a block is either in use (ref_count > 0) or in `free_block_ids`, never both.
+Called by: the scheduler.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from nanoserve.sequence import Sequence
+
+NO_HASH = -1
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH  # chained hash of the tokens up to the end of this block, once full and computed
+    token_ids: list[int] = field(default_factory=list)  # the tokens it holds, to confirm a hash hit
+
+
+def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
+    """Hash of a full block, chained to the hash of everything before it."""
+    h = xxhash.xxh64()
+    if prefix_hash != NO_HASH:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # a dict used as an ordered set: O(1) removal on a hit, oldest-freed first on allocation
+        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self.stats = {"allocated": 0, "freed": 0, "hit": 0}  # running counts, read by the trace
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    # ---- prefill: a whole prompt at once ----------------------------------------------------------
+    def _find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of seq's full blocks (none if caching is off)."""
+        hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits
+        prefix_hash = NO_HASH
+        for i in range(seq.num_tokens // self.block_size):
+            tokens = seq.block_tokens(i)
+            prefix_hash = chain_hash(tokens, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give seq blocks for all its tokens, reusing cached prefix blocks. False (and no change) if too few free."""
+        assert not seq.block_table
+        hits = self._find_cached_prefix(seq)
+        num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # free blocks a hit takes back
+        if num_revived + seq.num_blocks - len(hits) > self.num_free_blocks:
+            return False
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = hits + [self._allocate_fresh() for _ in range(seq.num_blocks - len(hits))]
+        # at least one token must be computed to get logits, so a fully cached prompt recomputes its last one
+        seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_hashed_blocks = len(hits)
+        self.stats["hit"] += len(hits)
+        return True
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _allocate_fresh(self) -> int:
+        """Hand out the least recently freed block, evicting its old prefix-cache entry."""
+        block_id = next(iter(self.free_block_ids))
+        del self.free_block_ids[block_id]
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.ref_count, block.hash, block.token_ids = 1, NO_HASH, []
+        self.stats["allocated"] += 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; blocks nobody uses go back to the pool but keep their hash (still hittable)."""
+        # last block first: a sequence's tail is the least likely prefix of anyone else, so it is evicted first
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                self.stats["freed"] += 1
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+
+    # ---- decode: one more slot -------------------------------------------------------------------
+    def can_append(self, seq: Sequence) -> bool:
+        """Is there room for the K/V of every token seq has (the newest one included)?"""
+        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence) -> None:
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._allocate_fresh())
+
+    # ---- prefix cache: register blocks whose K/V were just computed ------------------------------
+    def hash_computed_blocks(self, seq: Sequence) -> None:
+        """Register every full block of seq whose K/V are now in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_HASH
+            block.token_ids = seq.block_tokens(i)
+            block.hash = chain_hash(block.token_ids, prefix_hash)
+            # an equal block computed by another sequence in the same batch keeps the index entry
+            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

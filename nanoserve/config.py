@@ -1,0 +1,121 @@
+"""Engine settings (Config) and per-request settings (SamplingParams), validated on construction.
+
+Owns: every knob a user can turn, with its unit and effect, and the checks that reject bad values
+with a message naming the fix. Does not own: the model itself (models.py) or any tensor.
+Invariant: after LLM start-up a Config is read-only, except `num_kvcache_blocks`, which is only
+known after the model runner has measured free memory and is filled in once.
+Called by: llm_engine (builds both), scheduler, block_manager and model_runner (read them).
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class Config:
+    model: str  # Hugging Face layout directory: config.json, *.safetensors, tokenizer files
+    max_num_seqs: int = 512  # most sequences in one batch (prefill or decode)
+    max_num_batched_tokens: int = 16384  # token budget of one prefill step; longer prompts are chunked
+    max_model_len: int = 4096  # most tokens (prompt + output) of one sequence
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use (weights + KV + activations)
+    tensor_parallel_size: int = 1  # ranks; each holds 1/tp of the heads and of the MLP
+    enforce_eager: bool = False  # True: no CUDA graphs for decode
+    kvcache_block_size: int = 16  # tokens per KV block (the paging unit)
+    num_kvcache_blocks: int | None = None  # None: sized from free memory; an int overrides (tests)
+    enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes across requests
+    dtype: str = "auto"  # "auto": the checkpoint's dtype on GPU, float32 on CPU; or float32/float16/bfloat16
+    device: str = "auto"  # "auto": "cuda" when available, else "cpu"
+    trace: bool = False  # log one line per engine step (also NANOSERVE_TRACE=1)
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model):
+            raise OSError(f"model directory {self.model!r} does not exist: pass a Hugging Face layout "
+                          "directory (config.json + *.safetensors + tokenizer), or model=None for the default")
+        self.hf_config: PretrainedConfig = AutoConfig.from_pretrained(self.model)
+        arch = (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch} is not supported; use one of {SUPPORTED_ARCHITECTURES}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', not {self.device!r}")
+        self.torch_dtype = self._resolve_dtype()
+        self._check_sizes()
+        self.trace = self.trace or os.environ.get("NANOSERVE_TRACE", "0") not in ("", "0")
+
+    def _resolve_dtype(self) -> torch.dtype:
+        names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if self.dtype == "auto":
+            if self.device == "cpu":
+                return torch.float32
+            dtype = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
+            return names.get(str(dtype).removeprefix("torch."), torch.bfloat16)
+        if self.dtype not in names:
+            raise ValueError(f"dtype must be 'auto' or one of {list(names)}, not {self.dtype!r}")
+        return names[self.dtype]
+
+    def _check_sizes(self) -> None:
+        positive = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        bs = self.kvcache_block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two, got {bs}")
+        if self.device == "cuda" and bs < 16:
+            raise ValueError(f"kvcache_block_size must be at least 16 on the GPU, got {bs}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        max_pos = getattr(self.hf_config, "max_position_embeddings", self.max_model_len)
+        self.max_model_len = min(self.max_model_len, max_pos)
+        if self.num_kvcache_blocks is not None:
+            self.check_kvcache_fits(self.num_kvcache_blocks)
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(cfg, name) % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={getattr(cfg, name)}; "
+                                 "pick a divisor of both head counts")
+        # on the CPU a rank is just a process (gloo), so only GPUs bound the size
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} visible GPUs; "
+                             "lower it or expose more GPUs (CUDA_VISIBLE_DEVICES)")
+
+    def check_kvcache_fits(self, num_blocks: int, block_bytes: int | None = None) -> None:
+        """A KV cache must hold at least one sequence of max_model_len tokens, or requests could hang."""
+        needed = -(-self.max_model_len // self.kvcache_block_size)
+        if num_blocks >= needed:
+            return
+        missing = "" if block_bytes is None else f" ({(needed - num_blocks) * block_bytes / 2**30:.2f} GiB missing)"
+        raise ValueError(f"the KV cache has {num_blocks} blocks of {self.kvcache_block_size} tokens, but one "
+                         f"max_model_len={self.max_model_len} sequence needs {needed}{missing}: lower "
+                         "max_model_len or max_num_batched_tokens, or raise gpu_memory_utilization "
+                         "(or num_kvcache_blocks)")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (argmax); higher = flatter distribution
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    max_tokens: int = 64  # most tokens to generate
+    ignore_eos: bool = False  # True: keep going past EOS (benchmarks)
+    stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the sequence (finish_reason "stop")
+    seed: int | None = None  # fixed seed: the same request samples the same tokens in any batch
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

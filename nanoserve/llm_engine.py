@@ -1,0 +1,219 @@
+"""LLMEngine (alias LLM): the public entry point. Tokenizes and validates requests, drives the
+schedule -> run -> postprocess loop, and returns outputs in prompt order.
+
+Owns: the tokenizer, the request validation (bad input raises before anything is scheduled, and the
+engine stays usable), the progress bar and trace, and the tensor-parallel worker processes
+(ranks 1..N-1, started with spawn; rank 0 is this process). Does not own: batching policy
+(scheduler), tensors (model_runner).
+Invariant: after generate() returns or raises, no sequence of that call is left in the scheduler.
+"""
+import atexit
+import logging
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from multiprocessing.shared_memory import SharedMemory
+from uuid import uuid4
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GenerationConfig
+
+from nanoserve.config import Config, SamplingParams
+from nanoserve.model_runner import SHM_BYTES, ModelRunner
+from nanoserve.scheduler import Batch, Scheduler
+from nanoserve.sequence import Sequence
+from nanoserve.weights import default_model_dir
+
+logger = logging.getLogger("nanoserve")
+WORKER_JOIN_SECONDS = 5  # how long shutdown waits for a worker before killing it
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on, so every engine gets its own rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_main(config: Config, rank: int, shm_name: str, event, port: int, errors: mp.Queue) -> None:
+    """Entry point of TP ranks 1..N-1: build the same model shard, then serve rank 0's calls."""
+    try:
+        runner = ModelRunner(config, rank, shm_name, [event], port)
+        runner.worker_loop()
+        runner.shutdown()
+    except BaseException:  # report any failure to rank 0 instead of dying silently
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise SystemExit(1)
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = Config(model or default_model_dir(), **kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.workers: list[mp.Process] = []
+        self.shm: SharedMemory | None = None
+        self.model_runner: ModelRunner | None = None
+        atexit.register(self.shutdown)
+        try:
+            self.model_runner = self._start_ranks()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.scheduler = Scheduler(self.config, self._eos_token_ids())
+
+    def _start_ranks(self) -> ModelRunner:
+        """Start workers for ranks 1..N-1 (spawn), then rank 0's runner here; all join one process group."""
+        tp = self.config.tensor_parallel_size
+        if tp == 1:
+            return ModelRunner(self.config)
+        ctx = mp.get_context("spawn")
+        self.shm = SharedMemory(name=f"nanoserve-{uuid4().hex[:16]}", create=True, size=SHM_BYTES)
+        self.worker_errors = ctx.Queue()
+        port, events = free_port(), [ctx.Event() for _ in range(1, tp)]
+        for rank, event in enumerate(events, start=1):
+            proc = ctx.Process(target=worker_main, daemon=True,
+                               args=(self.config, rank, self.shm.name, event, port, self.worker_errors))
+            proc.start()
+            self.workers.append(proc)
+        return ModelRunner(self.config, 0, self.shm.name, events, port, self.check_workers)
+
+    def check_workers(self) -> None:
+        """Raise the first worker's error if any worker died (called by rank 0 around each step)."""
+        dead = [p for p in self.workers if not p.is_alive()]
+        if not dead:
+            return
+        try:
+            detail = self.worker_errors.get(timeout=1)
+        except Exception:  # queue.Empty: killed without a word (e.g. SIGKILL)
+            detail = f"worker pid {dead[0].pid} exited with code {dead[0].exitcode}"
+        raise RuntimeError(f"a tensor-parallel worker failed; shut this engine down and start a new one.\n{detail}")
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}
+        try:
+            gen = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+            ids |= set(gen) if isinstance(gen, list) else {gen}
+        except OSError:
+            pass  # no generation_config.json
+        return {i for i in ids if i is not None}
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate one request; raise ValueError naming the fix, changing nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("empty prompt: give at least one token")
+        vocab = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(token_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={limit}: shorten the prompt, lower max_tokens or raise max_model_len")
+        return Sequence(token_ids, params, self.config.kvcache_block_size)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(prompt, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> tuple[list[Sequence], Batch]:
+        """Schedule one batch, run it, record its tokens; return the sequences that finished."""
+        batch = self.scheduler.schedule()
+        if self.config.trace:
+            stats_before = dict(self.scheduler.block_manager.stats)
+        token_ids = self.model_runner.run(batch)
+        finished = self.scheduler.postprocess(batch, token_ids)
+        if self.config.trace:
+            self._trace(batch, stats_before, len(finished))
+        return finished, batch
+
+    def _trace(self, batch: Batch, before: dict[str, int], num_finished: int) -> None:
+        bm = self.scheduler.block_manager
+        delta = {k: bm.stats[k] - before[k] for k in before}
+        logger.info("%-7s seqs=%-3d tokens=%-5d blocks: +%d allocated -%d freed %d hit | preempted=%d "
+                    "finished=%d free=%d/%d", "prefill" if batch.is_prefill else "decode", len(batch.seqs),
+                    sum(batch.num_new_tokens), delta["allocated"], delta["freed"], delta["hit"],
+                    batch.num_preempted, num_finished, bm.num_free_blocks, len(bm.blocks))
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop unfinished sequences from the scheduler and free their blocks."""
+        s = self.scheduler
+        for seq in seqs:
+            if not seq.is_finished:
+                for queue in (s.waiting, s.running):
+                    if seq in queue:
+                        queue.remove(seq)
+                s.block_manager.free(seq)
+
+    # ---- the whole loop -----------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generate for every prompt; outputs in prompt order: {"text", "token_ids", "finish_reason"}."""
+        if self.model_runner is None:
+            raise RuntimeError("this engine was shut down: create a new LLM")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts must be a list of prompts: wrap a single prompt in a list")
+        params = params if params is not None else SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts: give one per "
+                             "prompt, or a single SamplingParams for all")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]  # validate all first
+        try:
+            self._run_to_completion(seqs, use_tqdm)
+        except BaseException:
+            self.abort(seqs)
+            raise
+        return [{"text": self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
+                 "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason} for seq in seqs]
+
+    def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool) -> None:
+        for seq in seqs:
+            self.scheduler.add(seq)
+        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        tok_s = {"prefill": 0.0, "decode": 0.0}
+        pending = set(seq.seq_id for seq in seqs)
+        while pending:
+            t = time.perf_counter()
+            finished, batch = self.step()
+            kind = "prefill" if batch.is_prefill else "decode"
+            tok_s[kind] = sum(batch.num_new_tokens) / max(time.perf_counter() - t, 1e-9)
+            bar.set_postfix_str(f"prefill {tok_s['prefill']:,.0f} tok/s, decode {tok_s['decode']:,.0f} tok/s",
+                                refresh=False)
+            pending -= {seq.seq_id for seq in finished}
+            bar.update(len(finished))
+        bar.close()
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every worker and free shared memory; safe to call twice, also after a failure."""
+        if self.model_runner is not None:
+            try:
+                self.model_runner.shutdown()
+            finally:
+                self.model_runner = None
+        for proc in self.workers:
+            proc.join(WORKER_JOIN_SECONDS)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.workers = []
+        if self.shm is not None:
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+LLM = LLMEngine

@@ -1,0 +1,311 @@
+"""ModelRunner: turns a scheduled Batch into tensors, runs the model, samples one token per sequence.
+
+Owns: the model and its weights on one device, the paged KV cache tensor, the flat batch tensors,
+the CUDA graphs for decode, and sampling. With tensor parallelism there is one ModelRunner per rank:
+rank 0 builds the batch on the host (`prepare`), ships the resulting BatchInputs to the other ranks
+(see `call`), every rank runs `forward` and joins the collectives, and rank 0 alone samples.
+Does not own: which sequences run (scheduler) or which blocks they hold (block_manager).
+Invariant: the KV cache is sized once, at start-up, before any request is admitted.
+Called by: llm_engine (run, shutdown); TP workers run `worker_loop`.
+"""
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Event
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nanoserve.config import Config
+from nanoserve.layers import ForwardContext, Sampler, forward_context
+from nanoserve.models import DecoderModel
+from nanoserve.scheduler import Batch
+from nanoserve.sequence import Sequence
+from nanoserve.weights import load_weights
+
+GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch sizes captured as CUDA graphs
+CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on the CPU when num_kvcache_blocks is not given: 1 GiB
+SHM_BYTES = 1 << 24  # shared-memory segment for rank 0 -> worker calls: 16 MiB of pickled arguments
+DIST_TIMEOUT_SECONDS = 120  # a collective waiting longer than this for a silent peer raises
+
+
+@dataclass
+class BatchInputs:
+    """A batch as host arrays: what every rank needs for one forward pass (built on rank 0)."""
+    is_prefill: bool
+    input_ids: np.ndarray  # (N,) int64
+    positions: np.ndarray  # (N,) int64
+    slot_mapping: np.ndarray  # (N,) int32
+    cu_seqlens_q: np.ndarray | None = None  # (S+1,) int32, prefill
+    cu_seqlens_k: np.ndarray | None = None  # (S+1,) int32, prefill
+    context_lens: np.ndarray | None = None  # (S,) int32, decode
+    block_tables: np.ndarray | None = None  # (S, max_blocks) int32: decode, and prefill with a prefix hit
+
+
+def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of tokens [start, end): slot = block_id * block_size + offset in the block."""
+    slots: list[int] = []
+    for i in range(start // block_size, (end - 1) // block_size + 1):
+        lo, hi = max(start, i * block_size), min(end, (i + 1) * block_size)
+        base = block_table[i] * block_size - i * block_size  # slot of token p in block i = base + p
+        slots.extend(range(base + lo, base + hi))
+    return slots
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int = 0, shm_name: str | None = None, events: list[Event] | None = None,
+                 port: int | None = None, check_workers: Callable[[], None] | None = None) -> None:
+        self.config, self.rank = config, rank
+        self.world_size = config.tensor_parallel_size
+        self.check_workers = check_workers or (lambda: None)
+        self.block_size = config.kvcache_block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.shm = SharedMemory(shm_name) if shm_name else None
+        self.events = events or []
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:  # NCCL between GPUs, gloo between CPU processes; same code either way
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", world_size=self.world_size,
+                                    rank=rank, init_method=f"tcp://127.0.0.1:{port}",
+                                    timeout=timedelta(seconds=DIST_TIMEOUT_SECONDS))
+        self.model = self._build_model()
+        self.sampler = Sampler()
+        self.allocate_kv_cache()
+        if self.use_graphs:
+            self.capture_cudagraphs()
+
+    @torch.inference_mode()
+    def _build_model(self) -> DecoderModel:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.config.torch_dtype)
+        try:
+            with self.device:  # parameters are created on the target device, in the target dtype
+                model = DecoderModel(self.config.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(model, self.config.model)
+        return model.eval()
+
+    # ---- KV cache ---------------------------------------------------------------------------------
+    def allocate_kv_cache(self) -> None:
+        """Size the paged KV cache from the memory left after a worst-case forward pass, then allocate it."""
+        layers = self.model.attention_layers()
+        h = layers[0]
+        block_bytes = (2 * len(layers) * self.block_size * h.num_kv_heads * h.head_dim
+                       * self.config.torch_dtype.itemsize)
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks is None:
+            num_blocks = self._measure_num_blocks(block_bytes)
+            if self.world_size > 1:  # every rank must agree on the block count
+                t = torch.tensor([num_blocks], device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                num_blocks = int(t.item())
+            self.config.check_kvcache_fits(num_blocks, block_bytes)
+            self.config.num_kvcache_blocks = num_blocks
+        # (2, layers, num_blocks, B, Hkv, D): K and V of every layer, one tensor so it is allocated once
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, h.num_kv_heads, h.head_dim,
+                                    dtype=self.config.torch_dtype, device=self.device)
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _measure_num_blocks(self, block_bytes: int) -> int:
+        if self.device.type == "cpu":
+            wanted = self.max_blocks_per_seq * self.config.max_num_seqs
+            return min(wanted, CPU_KV_CACHE_BYTES // block_bytes)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.warmup()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        # the budget minus what is in use now, minus the warm-up's activation peak that will recur
+        peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        available = total * self.config.gpu_memory_utilization - (total - free) - peak_extra
+        return max(int(available // block_bytes), 0)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """A prefill of max_num_batched_tokens tokens, the largest activation footprint the engine creates."""
+        cfg = self.config
+        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        cu = np.arange(num_seqs + 1, dtype=np.int32) * seq_len
+        n = num_seqs * seq_len
+        inputs = BatchInputs(True, np.zeros(n, np.int64), np.tile(np.arange(seq_len), num_seqs),
+                             np.full(n, -1, np.int32), cu, cu)
+        self.forward(inputs)
+        torch.cuda.synchronize()
+
+    # ---- host side: batch -> arrays (rank 0) --------------------------------------------------------
+    def prepare(self, batch: Batch) -> BatchInputs:
+        return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
+
+    def prepare_prefill(self, batch: Batch) -> BatchInputs:
+        input_ids, positions, slot_mapping = [], [], []
+        cu_q, cu_k = [0], [0]
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += token_slots(seq.block_table, start, end, self.block_size)
+            cu_q.append(cu_q[-1] + num_new)
+            cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
+        prefix_hit = cu_k[-1] > cu_q[-1]
+        return BatchInputs(True, np.array(input_ids, np.int64), np.array(positions, np.int64),
+                           np.array(slot_mapping, np.int32), np.array(cu_q, np.int32), np.array(cu_k, np.int32),
+                           block_tables=self.block_tables(batch.seqs) if prefix_hit else None)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> BatchInputs:
+        # each sequence computes its newest token, at position num_tokens - 1
+        positions = np.array([seq.num_tokens - 1 for seq in seqs], np.int64)
+        last_blocks = np.array([seq.block_table[-1] for seq in seqs], np.int64)
+        return BatchInputs(False, np.array([seq.token_ids[-1] for seq in seqs], np.int64), positions,
+                           (last_blocks * self.block_size + positions % self.block_size).astype(np.int32),
+                           context_lens=(positions + 1).astype(np.int32), block_tables=self.block_tables(seqs))
+
+    def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.full((len(seqs), width), -1, np.int32)  # (S, max_blocks), -1 past each table's end
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        return tables
+
+    # ---- device side: arrays -> logits (every rank) -------------------------------------------------
+    def _to_device(self, array: np.ndarray | None) -> Tensor | None:
+        if array is None:
+            return None
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":  # pinned memory lets the copy run asynchronously
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    @torch.inference_mode()
+    def forward(self, inputs: BatchInputs) -> Tensor | None:
+        """Run the model on one batch; return logits (S, V) on rank 0, None on other ranks."""
+        input_ids, positions = self._to_device(inputs.input_ids), self._to_device(inputs.positions)
+        ctx = self._forward_context(inputs)
+        with forward_context(ctx):
+            if not inputs.is_prefill and self.use_graphs and len(inputs.input_ids) <= self.max_graph_batch:
+                hidden = self.replay_cudagraph(inputs)
+            else:
+                hidden = self.model(input_ids, positions)  # (N, hidden)
+            return self.model.compute_logits(hidden)
+
+    def _forward_context(self, inputs: BatchInputs) -> ForwardContext:
+        d = self._to_device
+        if inputs.is_prefill:
+            cu_q, cu_k = inputs.cu_seqlens_q, inputs.cu_seqlens_k
+            return ForwardContext(
+                True, d(inputs.slot_mapping), d(cu_q), d(cu_k), int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
+                prefix_hit=inputs.block_tables is not None, block_tables=d(inputs.block_tables),
+                logits_indices=d(cu_q[1:].astype(np.int64) - 1))
+        return ForwardContext(False, d(inputs.slot_mapping), context_lens=d(inputs.context_lens),
+                              block_tables=d(inputs.block_tables))
+
+    # ---- CUDA graphs ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """Record one decode forward per batch size; a replay launches all its kernels at once."""
+        self.max_graph_batch = max_bs = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        hidden_size = self.config.hf_config.hidden_size
+        with self.device:
+            self.graph_buffers = {  # static inputs and output that every graph reads and writes
+                "input_ids": torch.zeros(max_bs, dtype=torch.int64),
+                "positions": torch.zeros(max_bs, dtype=torch.int64),
+                "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int32),
+                "context_lens": torch.zeros(max_bs, dtype=torch.int32),
+                "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32),
+                "hidden": torch.zeros(max_bs, hidden_size, dtype=self.config.torch_dtype)}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = None
+        for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_bs]):  # largest first: others reuse its pool
+            graph = torch.cuda.CUDAGraph()
+            b = {name: buf[:bs] for name, buf in self.graph_buffers.items()}
+            ctx = ForwardContext(False, b["slot_mapping"], context_lens=b["context_lens"],
+                                 block_tables=b["block_tables"])
+            with forward_context(ctx):
+                b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up outside the graph
+                with torch.cuda.graph(graph, pool):
+                    b["hidden"][:] = self.model(b["input_ids"], b["positions"])
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def replay_cudagraph(self, inputs: BatchInputs) -> Tensor:
+        bs = len(inputs.input_ids)
+        graph_bs = next(b for b in self.graphs if b >= bs) if bs not in self.graphs else bs
+        buf = self.graph_buffers
+        for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
+            buf[name][:bs].copy_(torch.from_numpy(getattr(inputs, name)), non_blocking=True)
+        buf["slot_mapping"][bs:graph_bs].fill_(-1)  # padded rows write nowhere...
+        buf["context_lens"][bs:graph_bs].zero_()  # ...and attend to nothing
+        width = inputs.block_tables.shape[1]
+        buf["block_tables"][:bs, :width].copy_(torch.from_numpy(inputs.block_tables), non_blocking=True)
+        self.graphs[graph_bs].replay()
+        return buf["hidden"][:bs]
+
+    # ---- sampling (rank 0) --------------------------------------------------------------------------
+    def sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
+        params = [seq.params for seq in seqs]
+        d = self.device
+        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=d)
+        noise = None
+        if any(p.temperature > 0 for p in params):
+            noise = torch.empty_like(logits).exponential_()  # (S, V) ~ Exp(1)
+            for i, seq in enumerate(seqs):
+                if seq.params.seed is not None:  # seeded: noise depends only on the seed and the position
+                    gen = torch.Generator(d).manual_seed(seq.params.seed * 1_000_003 + seq.num_tokens)
+                    noise[i].exponential_(generator=gen)
+        top_ks = torch.tensor([p.top_k for p in params], device=d) if any(p.top_k for p in params) else None
+        top_ps = (torch.tensor([p.top_p for p in params], dtype=torch.float32, device=d)
+                  if any(p.top_p < 1 for p in params) else None)
+        return self.sampler(logits.float(), temperatures, noise, top_ks, top_ps).tolist()
+
+    def run(self, batch: Batch) -> list[int]:
+        """One engine step on rank 0: every rank runs the forward pass, rank 0 samples."""
+        inputs = self.prepare(batch)
+        if self.world_size > 1:
+            self.check_workers()
+            self.call("forward", inputs)
+        try:
+            logits = self.forward(inputs)
+            return self.sample(logits, batch.seqs)
+        except RuntimeError:
+            self.check_workers()  # a collective broken by a dead worker: raise the worker's own error
+            raise
+
+    # ---- tensor-parallel plumbing -----------------------------------------------------------------
+    def call(self, method: str, *args: object) -> None:
+        """Rank 0: write (method, args) into shared memory and wake every worker to run it too."""
+        data = pickle.dumps((method, args))
+        assert len(data) + 4 <= SHM_BYTES, "call arguments exceed the shared-memory segment"
+        self.shm.buf[:4] = len(data).to_bytes(4, "little")
+        self.shm.buf[4:4 + len(data)] = data
+        for event in self.events:
+            event.set()
+
+    def worker_loop(self) -> None:
+        """Ranks 1..N-1: wait for rank 0's call, run it, repeat until told to exit."""
+        event = self.events[0]
+        while True:
+            event.wait()
+            n = int.from_bytes(self.shm.buf[:4], "little")
+            method, args = pickle.loads(self.shm.buf[4:4 + n])
+            event.clear()
+            if method == "exit":
+                break
+            getattr(self, method)(*args)
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and self.rank == 0:
+            self.call("exit")
+        if self.shm is not None:
+            self.shm.close()
+        self.graphs = {}
+        if dist.is_initialized():
+            dist.destroy_process_group()

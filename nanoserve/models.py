@@ -1,0 +1,115 @@
+"""Decoder-only transformer models: Qwen3 and the Llama family (Llama, SmolLM2, Qwen2).
+
+The three architectures are one pre-norm decoder with two switches: Qwen3 RMS-normalizes q and k
+per head before rotary (`qk_norm`), Qwen2 has a bias on q, k and v (`qkv_bias`).
+Module names follow the Hugging Face checkpoints, except the fused projections: `qkv_proj` packs
+q_proj, k_proj, v_proj and `gate_up_proj` packs gate_proj, up_proj; `packed_modules` tells the
+weight loader where each checkpoint tensor goes. Owns the architecture, not the file format
+(weights.py) nor the batch layout (the forward context in layers.py).
+"""
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from nanoserve.layers import (Attention, ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                              RowParallelLinear, VocabParallelEmbedding, silu_and_mul, tp_rank_and_size)
+
+
+def rope_theta(cfg: PretrainedConfig) -> float:
+    """Rotary base, from the transformers 5 `rope_parameters` dict or the older `rope_theta` field."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope scaling {rope_type!r} is not supported: use a checkpoint with plain rotary")
+    return params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, qk_norm: bool, qkv_bias: bool) -> None:
+        super().__init__()
+        tp = tp_rank_and_size()[1]
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_heads = cfg.num_attention_heads // tp  # H on this rank
+        self.num_kv_heads = cfg.num_key_value_heads // tp  # Hkv on this rank
+        D = self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_attention_heads * D, cfg.num_key_value_heads * D,
+                              cfg.num_key_value_heads * D], bias=qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(D, cfg.max_position_embeddings, rope_theta(cfg))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, D)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) D)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))  # (N, hidden)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: PretrainedConfig) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (only silu)")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # (N, hidden)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, qk_norm: bool, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, qk_norm, qkv_bias)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        # the residual stream is carried separately so each norm can fuse "add, then normalize"
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, layers, final norm; `compute_logits` applies the LM head to the hidden states."""
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: PretrainedConfig) -> None:
+        super().__init__()
+        arch = cfg.architectures[0]
+        qk_norm, qkv_bias = arch == "Qwen3ForCausalLM", arch == "Qwen2ForCausalLM"
+        qkv_bias = qkv_bias or getattr(cfg, "attention_bias", False)
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        x = self.model.embed_tokens(input_ids)  # (N, hidden)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual)
+        return self.model.norm(x, residual)[0]  # (N, hidden)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        return self.lm_head(hidden)  # (S, V) on rank 0, None elsewhere
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,117 @@
+"""Scheduler: continuous batching over a waiting and a running queue.
+
+Owns: which sequences run in the next step and how many tokens each computes. Each step is either a
+prefill batch (prompts, within a token budget; a prompt longer than what is left of the budget is
+chunked and continues next step) or a decode batch (one token for every running sequence). When a
+decode step finds no free block, the newest running sequence is preempted: its blocks are freed and
+it goes back to the front of the waiting queue, to be recomputed later (preemption by recompute).
+Does not own: tensors or the model (model_runner), KV block bookkeeping (block_manager).
+Invariant: a sequence is in exactly one of `waiting`, `running`, or finished.
+Called by: llm_engine (add, schedule, postprocess).
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from nanoserve.block_manager import BlockManager
+from nanoserve.config import Config
+from nanoserve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Batch:
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens, starting at its num_computed_tokens."""
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    is_prefill: bool
+    num_preempted: int = 0  # sequences preempted while building it (for the trace)
+
+
+class Scheduler:
+    def __init__(self, config: Config, eos_token_ids: set[int]) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> Batch:
+        batch = self._schedule_prefill()
+        if not batch.seqs:
+            batch = self._schedule_decode()
+        assert batch.seqs, "nothing schedulable: a sequence larger than the KV cache slipped past validation"
+        return batch
+
+    def _schedule_prefill(self) -> Batch:
+        """Take waiting prompts in order while the token budget, the batch size and the free blocks allow."""
+        batch = Batch([], [], is_prefill=True)
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(batch.seqs) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and not self.block_manager.allocate(seq):
+                break  # not enough free blocks: wait for running sequences to finish
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            if seq.num_computed_tokens + num_new < seq.num_tokens:
+                break  # chunked: the rest of this prompt goes in the next step, still first in line
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return batch
+
+    def _schedule_decode(self) -> Batch:
+        """One new token for every running sequence, preempting the newest ones when blocks run out."""
+        batch = Batch([], [], is_prefill=False)
+        while self.running and len(batch.seqs) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                batch.num_preempted += 1
+                if not self.running:
+                    self._preempt(seq)  # the oldest alone does not fit: it waits until blocks free up
+                    break
+                self._preempt(self.running.pop())
+            else:
+                self.block_manager.append_slot(seq)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(1)
+        self.running.extendleft(reversed(batch.seqs))  # keep arrival order: oldest first
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.free(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
+        """Record the step's progress and sampled tokens; return the sequences that finished."""
+        finished = []
+        for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, token_ids):
+            seq.num_computed_tokens += num_new
+            self.block_manager.hash_computed_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk: no token is sampled until the whole prompt is in the cache
+            seq.append_token(token_id)
+            seq.finish_reason = self._finish_reason(seq, token_id)
+            if seq.finish_reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None

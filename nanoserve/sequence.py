@@ -1,0 +1,66 @@
+"""Sequence: one request's tokens, status, progress and block table.
+
+Owns: the token list (prompt then output), how many of those tokens already have K/V in the cache
+(`num_computed_tokens`), and the ids of the KV blocks that hold them (`block_table`).
+Does not own: the blocks themselves (block_manager) or when it runs (scheduler).
+Invariant: tokens [0, num_computed_tokens) have K/V in the cache, in the blocks block_table names,
+token i in block block_table[i // block_size] at offset i % block_size.
+"""
+from enum import Enum, auto
+from itertools import count
+
+from nanoserve.config import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # in the waiting queue: not started, preempted, or part-way through a chunked prefill
+    RUNNING = auto()  # prompt fully computed; gets one token per decode step
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache (for the trace)
+        self.num_hashed_blocks = 0  # leading full blocks already registered in the prefix cache
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token of the sequence."""
+        return -(-self.num_tokens // self.block_size)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int) -> list[int]:
+        """Token ids stored in the i-th block of this sequence."""
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
