@@ -125,7 +125,7 @@ class LLMEngine:
         """Schedule one batch, run it, record its tokens; return the sequences that finished."""
         batch = self.scheduler.schedule()
         if self.config.trace:
-            stats_before = dict(self.scheduler.block_manager.stats)
+            stats_before = dict(self.scheduler.block_manager.stats, preempted=self.scheduler.num_preemptions)
         token_ids = self.model_runner.run(batch)
         finished = self.scheduler.postprocess(batch, token_ids)
         if self.config.trace:
@@ -134,11 +134,12 @@ class LLMEngine:
 
     def _trace(self, batch: Batch, before: dict[str, int], num_finished: int) -> None:
         bm = self.scheduler.block_manager
-        delta = {k: bm.stats[k] - before[k] for k in before}
+        now = dict(bm.stats, preempted=self.scheduler.num_preemptions)
+        delta = {k: now[k] - before[k] for k in before}
         logger.info("%-7s seqs=%-3d tokens=%-5d blocks: +%d allocated -%d freed %d hit | preempted=%d "
                     "finished=%d free=%d/%d", "prefill" if batch.is_prefill else "decode", len(batch.seqs),
                     sum(batch.num_new_tokens), delta["allocated"], delta["freed"], delta["hit"],
-                    batch.num_preempted, num_finished, bm.num_free_blocks, len(bm.blocks))
+                    delta["preempted"], num_finished, bm.num_free_blocks, len(bm.blocks))
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Drop unfinished sequences from the scheduler and free their blocks."""

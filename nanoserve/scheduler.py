@@ -23,7 +23,6 @@ class Batch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
-    num_preempted: int = 0  # sequences preempted while building it (for the trace)
 
 
 class Scheduler:
@@ -35,6 +34,7 @@ class Scheduler:
                                           config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0  # running count, read by the trace and the tests
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -74,7 +74,6 @@ class Scheduler:
         while self.running and len(batch.seqs) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
-                batch.num_preempted += 1
                 if not self.running:
                     self._preempt(seq)  # the oldest alone does not fit: it waits until blocks free up
                     break
@@ -87,6 +86,7 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.block_manager.free(seq)
         self.waiting.appendleft(seq)

@@ -1,0 +1,118 @@
+"""End to end on the packaged default model (SmolLM2-135M-Instruct, float32 on the CPU): nanoserve's greedy
+output must be token-identical to Hugging Face transformers', also when sequences are preempted, when
+prompts are chunked, and with prefix caching on or off."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.weights import default_model_dir
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one sentence.",
+    "List three primary colors.",
+    "How many legs does a spider have?",
+    "Give me a short tip for learning Python.",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+]
+MAX_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Transformers' greedy continuation of each prompt, one at a time (no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+def test_greedy_matches_transformers(model_dir, prompts, hf_outputs):
+    with LLM(model_dir) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == hf_outputs
+    for o, ref in zip(outs, hf_outputs):
+        assert o["finish_reason"] == ("length" if len(ref) == MAX_TOKENS and ref[-1] != 2 else "stop")
+        assert o["text"].strip()
+
+
+def test_preemption_keeps_output(model_dir, prompts, hf_outputs):
+    # 8 sequences of ~60 tokens need ~32 blocks of 16; 12 blocks force preemption by recompute
+    with LLM(model_dir, max_model_len=192, num_kvcache_blocks=12) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.scheduler.block_manager.num_free_blocks == 12
+    assert [o["token_ids"] for o in outs] == hf_outputs
+
+
+def test_chunked_prefill_keeps_output(model_dir, prompts, hf_outputs):
+    with LLM(model_dir, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == hf_outputs[:3]
+
+
+def test_prefix_caching_on_and_off_agree(model_dir, prompts):
+    system = list(range(1000, 1040))  # a 40-token shared prefix: two full blocks of 16 are shared
+    shared = [system + p for p in prompts]
+    results = {}
+    for caching in (True, False):
+        with LLM(model_dir, enable_prefix_caching=caching, max_model_len=256) as llm:
+            first = llm.generate(shared[:1], GREEDY, use_tqdm=False)  # computes the prefix once
+            rest = llm.generate(shared, GREEDY, use_tqdm=False)  # every prompt can hit it
+            results[caching] = (first, rest, llm.scheduler.block_manager.stats["hit"])
+    assert results[True][2] >= 2 * len(shared)  # each of the 8 prompts hit at least the 2 system blocks
+    assert results[False][2] == 0
+    assert [o["token_ids"] for o in results[True][1]] == [o["token_ids"] for o in results[False][1]]
+    assert results[True][0][0]["token_ids"] == results[True][1][0]["token_ids"]
+
+
+def test_sampling_seed_top_k_and_stop(model_dir, prompts):
+    with LLM(model_dir) as llm:
+        seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)
+        alone = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]["token_ids"]
+        mixed = llm.generate(prompts[:3], [seeded, GREEDY, SamplingParams(temperature=0.8)], use_tqdm=False)
+        assert mixed[0]["token_ids"] == alone  # a seed fixes the sample whatever the batch
+        top1 = llm.generate(prompts[:2], SamplingParams(temperature=1.5, top_k=1, max_tokens=8), use_tqdm=False)
+        greedy = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert [o["token_ids"] for o in top1] == [o["token_ids"] for o in greedy]
+        stop_at = greedy[0]["token_ids"][2]
+        stopped = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]),
+                               use_tqdm=False)[0]
+        assert stopped["finish_reason"] == "stop" and stopped["token_ids"][-1] == stop_at
+        assert len(stopped["token_ids"]) <= 3
+        long = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)[0]
+        assert long["finish_reason"] == "length" and len(long["token_ids"]) == 5
+
+
+def test_text_prompts_and_trace(model_dir, caplog):
+    with LLM(model_dir, trace=True) as llm:
+        with caplog.at_level("INFO", logger="nanoserve"):
+            outs = llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0, max_tokens=4),
+                                use_tqdm=False)
+    assert all(len(o["token_ids"]) <= 4 for o in outs)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("prefill") for line in lines) and any(line.startswith("decode") for line in lines)
+    assert all("free=" in line for line in lines)

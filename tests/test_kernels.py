@@ -1,0 +1,305 @@
+"""Each kernel of nanoserve/kernels.py against its plain-torch reference; the references against naive loops.
+
+CPU (CI): the Triton kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET once, when it is
+imported (its own tl.sum / tl.max are @triton.jit functions built then), so one process cannot hold both
+compiled and interpreted kernels. The *_interpreted tests therefore run only in a process started with
+TRITON_INTERPRET=1; in any other run, test_kernels_under_triton_interpreter starts such a child process
+for them. GPU tests carry the `gpu` marker and skip without CUDA.
+Run: `python -m pytest -q tests/test_kernels.py` (CPU, GPU tests skip), `... -m gpu` on a GPU machine.
+"""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanoserve import kernels
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+interpreted = pytest.mark.skipif(not kernels._INTERPRETED, reason="needs TRITON_INTERPRET=1 from start-up: "
+                                 "test_kernels_under_triton_interpreter runs it in a child process")
+
+
+@pytest.mark.skipif(kernels._INTERPRETED, reason="this process is interpreted: the tests run here directly")
+def test_kernels_under_triton_interpreter() -> None:
+    """Run this file's *_interpreted tests in a child process with TRITON_INTERPRET=1 set before any import."""
+    python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path)
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+                            __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    report = child.stdout[-6000:] + child.stderr[-2000:]
+    assert child.returncode == 0 and " passed" in child.stdout and "skipped" not in child.stdout, report
+
+
+def make_paged_kv(context_lens: list[int], B: int, Hkv: int, D: int, dtype: torch.dtype, device: str = "cpu",
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches whose unused slots hold NaN, scattered blocks, and block-table columns past each sequence
+    filled with -1 or a huge id: a kernel that reads anything it should not either fails or returns NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [math.ceil(n / B) for n in context_lens]
+    num_blocks, max_blocks = sum(blocks) + 2, max(blocks) + 2
+    k_cache = torch.full((num_blocks, B, Hkv, D), float("nan"))  # (num_blocks, B, Hkv, D)
+    v_cache = torch.full((num_blocks, B, Hkv, D), float("nan"))
+    block_tables = torch.full((len(blocks), max_blocks), -1, dtype=torch.int32)  # (S, max_blocks)
+    block_tables[:, max_blocks - 1] = 10**7  # garbage past the end: never dereference
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    for s, (n, nb) in enumerate(zip(context_lens, blocks)):
+        ids = [free.pop() for _ in range(nb)]
+        block_tables[s, :nb] = torch.tensor(ids, dtype=torch.int32)
+        for t in range(n):  # only the first n slots of the sequence hold data
+            k_cache[ids[t // B], t % B] = torch.randn(Hkv, D, generator=gen)
+            v_cache[ids[t // B], t % B] = torch.randn(Hkv, D, generator=gen)
+    context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)  # (S,)
+    return k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device), context_lens_t
+
+
+# ------------------------------------------------------------------------------------------------------
+# CPU: Triton kernels under the interpreter vs references
+# ------------------------------------------------------------------------------------------------------
+
+@interpreted
+@pytest.mark.parametrize("Hkv, D", [(3, 64), (2, 128)])  # 3 x 64 = 192: a KV row that is not a power of two
+def test_store_kvcache_interpreted(Hkv: int, D: int) -> None:
+    N, B = 7, 16
+    qkv = torch.randn(N, 4 * Hkv * D)  # key/value are strided views of a fused projection, as in the model
+    key, value = qkv[:, :Hkv * D].view(N, Hkv, D), qkv[:, 2 * Hkv * D:3 * Hkv * D].view(N, Hkv, D)
+    slot_mapping = torch.tensor([3, -1, 17, 40, 16, -1, 63], dtype=torch.int32)  # -1: padded, write nowhere
+    k_cache, v_cache = torch.randn(4, B, Hkv, D), torch.randn(4, B, Hkv, D)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    kernels.store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(k_ref.view(-1, Hkv, D)[40], key[3])  # slot = block_id * B + offset
+
+
+DECODE_SHAPES = [  # (group = H // Hkv, Hkv, D, B)
+    (1, 2, 64, 16),
+    (2, 2, 128, 16),  # Qwen3-0.6B's group and head dim
+    (3, 3, 64, 32),   # SmolLM2: 9 q / 3 kv heads
+    (8, 1, 64, 16),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("group, Hkv, D, B", DECODE_SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_paged_decode_interpreted(group: int, Hkv: int, D: int, B: int, num_splits: int | None) -> None:
+    # context 1, exactly one block, ragged, exactly two blocks, 0 (a padded CUDA-graph slot)
+    context_lens = [1, B, 2 * B + 5, 2 * B, 0]
+    k_cache, v_cache, block_tables, ctx = make_paged_kv(context_lens, B, Hkv, D, torch.float32)
+    q = torch.randn(len(context_lens), group * Hkv, D)  # (S, H, D)
+    out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits=num_splits)
+    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[-1] == 0)  # context_len 0: zeros, not NaN
+
+
+@interpreted
+@pytest.mark.parametrize("blocks_per_iter, group_pad", [(1, 16), (2, 32)])
+def test_paged_decode_tile_variants_interpreted(blocks_per_iter: int, group_pad: int) -> None:
+    """Tiles of one and of several blocks (a tile's last block partly past the split), wider group padding."""
+    group, Hkv, D, B = 3, 2, 64, 16
+    k_cache, v_cache, block_tables, ctx = make_paged_kv([1, 3 * B + 7, 2 * B], B, Hkv, D, torch.float32)
+    q = torch.randn(3, group * Hkv, D)
+    out = kernels._paged_decode_launch(q, k_cache, v_cache, block_tables, ctx, 0.125, num_splits=2,
+                                       GROUP_PAD=group_pad, BLOCKS_PER_ITER=blocks_per_iter, NUM_STAGES=1,
+                                       num_warps=4)
+    torch.testing.assert_close(out, kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125),
+                               atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_paged_decode_fp16_interpreted() -> None:
+    """Half precision in and out. (Not bf16: numpy has none, and the interpreter's tl.dot gets it wrong.)"""
+    k_cache, v_cache, block_tables, ctx = make_paged_kv([5, 37], 16, 2, 64, torch.float16)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.125, num_splits=2)
+    assert out.dtype == torch.float16
+    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125)
+    torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
+
+
+def test_default_num_splits() -> None:
+    cuda = torch.device("cuda")
+    with pytest.MonkeyPatch.context() as mp:  # the SM count is the only device fact used: pin an H100's
+        mp.setattr(kernels, "_sm_count", lambda device: 132)
+        assert kernels.default_num_splits(256, 8, 256, cuda) == 1  # (sequence, KV head) programs fill the GPU
+        assert kernels.default_num_splits(1, 8, 256, cuda) == kernels.MAX_SPLITS
+        assert kernels.default_num_splits(1, 8, 3, cuda) == 3  # never more splits than block-table columns
+        assert 1 < kernels.default_num_splits(32, 8, 256, cuda) < kernels.MAX_SPLITS
+
+
+# ------------------------------------------------------------------------------------------------------
+# CPU: references against naive loops
+# ------------------------------------------------------------------------------------------------------
+
+def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int],
+                           lens_k: list[int], scale: float) -> torch.Tensor:
+    """Token by token, head by head: query i of a sequence sees keys j <= i + Lk - Lq (bottom-right)."""
+    H, Hkv = q.shape[1], k.shape[1]
+    out, q0, k0 = torch.zeros_like(q), 0, 0
+    for Lq, Lk in zip(lens_q, lens_k):
+        for i in range(Lq):
+            visible = i + Lk - Lq + 1
+            for h in range(H):
+                kv = h // (H // Hkv)  # GQA: consecutive query heads share a KV head
+                scores = k[k0:k0 + visible, kv] @ q[q0 + i, h] * scale  # (visible,)
+                out[q0 + i, h] = torch.softmax(scores, dim=0) @ v[k0:k0 + visible, kv]
+        q0, k0 = q0 + Lq, k0 + Lk
+    return out
+
+
+def cu_seqlens(lens: list[int], device: str = "cpu") -> torch.Tensor:
+    return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 2), (3, 1)])
+def test_prefill_attention_ref(H: int, Hkv: int) -> None:
+    lens_q, lens_k = [5, 3, 1, 4], [5, 8, 6, 4]  # sequences 2 and 3 hit a cached prefix (Lq < Lk)
+    D = 16
+    q, k, v = torch.randn(sum(lens_q), H, D), torch.randn(sum(lens_k), Hkv, D), torch.randn(sum(lens_k), Hkv, D)
+    args = (q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k), 0.3)
+    ref = kernels.prefill_attention_ref(*args)
+    torch.testing.assert_close(ref, naive_causal_attention(q, k, v, lens_q, lens_k, 0.3))
+    torch.testing.assert_close(kernels.prefill_attention(*args), ref)  # CPU dispatch: the reference
+
+
+def test_gather_kv() -> None:
+    B, Hkv, D = 16, 2, 8
+    lens = [5, 0, 17, 32]  # ragged, empty, crosses a block, exactly two blocks
+    k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, torch.float32)
+    k, v = kernels.gather_kv(k_cache, v_cache, block_tables, cu_seqlens(lens))
+    assert k.shape == v.shape == (sum(lens), Hkv, D)
+    rows = [(s, t) for s, n in enumerate(lens) for t in range(n)]
+    expect_k = torch.stack([k_cache[block_tables[s, t // B], t % B] for s, t in rows])
+    expect_v = torch.stack([v_cache[block_tables[s, t // B], t % B] for s, t in rows])
+    assert torch.equal(k, expect_k) and torch.equal(v, expect_v)
+
+
+def test_paged_decode_ref_matches_prefill_ref() -> None:
+    """Decode is prefill with one query, the newest token: the two references must agree."""
+    lens, B, Hkv, D, H = [1, 16, 23], 16, 2, 32, 6
+    k_cache, v_cache, block_tables, ctx = make_paged_kv(lens, B, Hkv, D, torch.float32)
+    q = torch.randn(len(lens), H, D)
+    k, v = kernels.gather_kv(k_cache, v_cache, block_tables, cu_seqlens(lens))
+    one_query = cu_seqlens([1] * len(lens))  # each sequence's newest token is its only query
+    prefill = kernels.prefill_attention_ref(q, k, v, one_query, cu_seqlens(lens), 1, max(lens), 0.2)
+    torch.testing.assert_close(kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.2), prefill)
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU: compiled kernels vs references
+# ------------------------------------------------------------------------------------------------------
+
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hkv, D", [(3, 64), (8, 128)])
+@gpu
+@requires_cuda
+def test_store_kvcache_gpu(dtype: torch.dtype, Hkv: int, D: int) -> None:
+    N, B, num_blocks = 300, 16, 40
+    qkv = torch.randn(N, 4 * Hkv * D, dtype=dtype, device="cuda")
+    key, value = qkv[:, :Hkv * D].view(N, Hkv, D), qkv[:, Hkv * D:2 * Hkv * D].view(N, Hkv, D)
+    slot_mapping = torch.randperm(num_blocks * B, device="cuda")[:N].to(torch.int32)
+    slot_mapping[::7] = -1
+    k_cache = torch.randn(num_blocks, B, Hkv, D, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    kernels.store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("group, Hkv", [(1, 4), (2, 8), (3, 3), (8, 2), (16, 1)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@gpu
+@requires_cuda
+def test_paged_decode_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int) -> None:
+    check_paged_decode_gpu(group, Hkv, D, B, num_splits, torch.bfloat16)
+
+
+@pytest.mark.parametrize("group, Hkv, D, B, num_splits", [(2, 8, 128, 16, None), (3, 3, 64, 64, 1),
+                                                          (8, 2, 128, 32, None)])
+@gpu
+@requires_cuda
+def test_paged_decode_fp16_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int | None) -> None:
+    check_paged_decode_gpu(group, Hkv, D, B, num_splits, torch.float16)
+
+
+def check_paged_decode_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int | None,
+                           dtype: torch.dtype) -> None:
+    context_lens = [1, B, 2 * B + 5, 0, 300, 1000]
+    k_cache, v_cache, block_tables, ctx = make_paged_kv(context_lens, B, Hkv, D, dtype, "cuda")
+    q = torch.randn(len(context_lens), group * Hkv, D, dtype=dtype, device="cuda")
+    out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits=num_splits)
+    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert torch.all(out[3] == 0)
+
+
+@gpu
+@requires_cuda
+def test_prefill_attention_gpu() -> None:
+    """The FlashAttention path (aten FA2 or flash-attn) against the reference: GQA, prefix hits, qkv views."""
+    H, Hkv, D = 16, 8, 128
+    lens_q, lens_k = [37, 20, 1, 128], [37, 100, 1, 300]
+    qkv = torch.randn(sum(lens_q), (H + 2 * Hkv) * D, dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, :H * D].view(-1, H, D)  # (Nq, H, D) a strided view, as the model passes it
+    k = torch.randn(sum(lens_k), Hkv, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    args = (q, k, v, cu_seqlens(lens_q, "cuda"), cu_seqlens(lens_k, "cuda"), max(lens_q), max(lens_k), D**-0.5)
+    out = kernels.prefill_attention(*args)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, kernels.prefill_attention_ref(*args), **TOL[torch.bfloat16])
+
+
+@gpu
+@requires_cuda
+def test_decode_cuda_graph_gpu() -> None:
+    """store_kvcache + paged_decode captured once, replayed on new contents: equal to eager, no host sync."""
+    S, B, Hkv, D, H = 8, 16, 8, 128, 16
+    lens = [1, 17, 64, 200, 0, 5, 300, 33]
+    capacity = [n + 2 for n in lens]  # room for the two steps below
+    k_cache, v_cache, block_tables, ctx = make_paged_kv(capacity, B, Hkv, D, torch.bfloat16, "cuda")
+    q = torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda")
+    key, value = torch.randn(2, S, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    slots = torch.full((S,), -1, dtype=torch.int32, device="cuda")
+
+    def decode_step() -> torch.Tensor:  # what one attention layer does in a decode step
+        kernels.store_kvcache(key, value, k_cache, v_cache, slots)
+        return kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+
+    decode_step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = decode_step()
+    for step in range(2):  # new inputs in the same buffers, as the engine does between steps
+        q.normal_()
+        key.normal_()
+        value.normal_()
+        new_lens = [n + step + 1 if n else 0 for n in lens]  # a padded slot (context 0) stays 0
+        ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        for s, n in enumerate(new_lens):
+            slots[s] = block_tables[s, (n - 1) // B] * B + (n - 1) % B if n else -1
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        k_graph, v_graph = k_cache.clone(), v_cache.clone()
+        k_cache.copy_(k_before)
+        v_cache.copy_(v_before)
+        eager = decode_step()
+        assert torch.equal(graph_out, eager)
+        exact = dict(rtol=0, atol=0, equal_nan=True)  # unused cache slots hold NaN on purpose
+        torch.testing.assert_close(k_graph, k_cache, **exact)
+        torch.testing.assert_close(v_graph, v_cache, **exact)
+        ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+        torch.testing.assert_close(eager, ref, **TOL[torch.bfloat16])

@@ -1,0 +1,198 @@
+"""Bad input raises ValueError (or OSError for a missing path) with a message that names the fix, before
+anything is scheduled, and leaves the engine usable.
+
+SamplingParams and Config checks use a tmp directory with a small config.json (no weights). The request
+checks use one real engine on the default model (SmolLM2-135M-Instruct, a few seconds to load on CPU),
+shared by the module; after every rejected call it must still generate the same greedy tokens and hold
+no sequence and no block.
+"""
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import Config
+
+# ---- SamplingParams ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=-0.5), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+])
+def test_sampling_params_rejects(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accepts_edges():
+    sp = SamplingParams(temperature=0, top_p=1.0, top_k=0, max_tokens=1, stop_token_ids=[5, 6])
+    assert sp.stop_token_ids == (5, 6)  # a list is stored as a tuple: the params stay hashable / frozen
+    SamplingParams(top_p=1e-6, top_k=1, temperature=2.5)
+
+
+# ---- Config -----------------------------------------------------------------------------------------
+
+
+def write_config(path, **overrides) -> str:
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=1, vocab_size=1000, max_position_embeddings=4096,
+                  architectures=["LlamaForCausalLM"])
+    kwargs.update(overrides)
+    LlamaConfig(**kwargs).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return write_config(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_config_accepts_a_good_directory(model_dir):
+    cfg = Config(model_dir, max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")
+    assert cfg.num_kvcache_blocks == 4 and cfg.max_model_len == 64
+
+
+def test_config_rejects_missing_model_path(tmp_path):
+    with pytest.raises(OSError, match="does not exist"):
+        Config(str(tmp_path / "no-such-model"), device="cpu")
+
+
+@pytest.mark.parametrize("architectures", [["MistralForCausalLM"], ["GPT2LMHeadModel"], None])
+def test_config_rejects_unsupported_architecture(tmp_path, architectures):
+    path = write_config(tmp_path, architectures=architectures)
+    with pytest.raises(ValueError, match="not supported"):
+        Config(path, device="cpu")
+
+
+def test_config_rejects_kv_cache_smaller_than_one_sequence(model_dir):
+    # 64 tokens in blocks of 16 need 4 blocks: 3 is too few, 4 is enough
+    with pytest.raises(ValueError, match="max_model_len") as info:
+        Config(model_dir, max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=3, device="cpu")
+    assert "num_kvcache_blocks" in str(info.value) and "needs 4" in str(info.value)
+    Config(model_dir, max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")
+    with pytest.raises(ValueError, match="max_model_len"):
+        Config(model_dir, max_model_len=65, kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")
+
+
+@pytest.mark.parametrize("tp, heads", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
+def test_config_rejects_tp_not_dividing_heads(model_dir, tp, heads):
+    # 4 query heads and 2 KV heads: tp=3 divides neither, tp=4 divides only the query heads
+    with pytest.raises(ValueError, match="tensor_parallel_size") as info:
+        Config(model_dir, tensor_parallel_size=tp, device="cpu")
+    assert heads in str(info.value)
+
+
+def test_config_accepts_tp_dividing_heads(model_dir):
+    assert Config(model_dir, tensor_parallel_size=2, device="cpu").tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 12, 24])
+def test_config_rejects_bad_block_size(model_dir, block_size):
+    with pytest.raises(ValueError, match="kvcache_block_size"):
+        Config(model_dir, kvcache_block_size=block_size, device="cpu")
+
+
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"])
+def test_config_rejects_non_positive_sizes(model_dir, field):
+    with pytest.raises(ValueError, match=field):
+        Config(model_dir, device="cpu", **{field: 0})
+
+
+# ---- requests, on a real engine ---------------------------------------------------------------------
+
+MAX_MODEL_LEN = 128
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+PROBE = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # the smallest cache that fits one max_model_len sequence: 128 / 16 = 8 blocks
+    # one intra-op thread: these are 1-10 token batches, where a second thread only adds sync
+    # overhead, and on a busy 2-core CI machine it made each step several times slower
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = LLM(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=MAX_MODEL_LEN // 16)
+    yield engine
+    engine.shutdown()
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> list[int]:
+    """The greedy tokens the engine gives for PROBE before it has seen any bad input."""
+    out = llm.generate([PROBE], GREEDY, use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 4 and out[0]["finish_reason"] == "length"
+    return out[0]["token_ids"]
+
+
+def assert_engine_idle(llm) -> None:
+    sched = llm.scheduler
+    bm = sched.block_manager
+    assert not sched.waiting and not sched.running
+    assert bm.num_free_blocks == len(bm.blocks) and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def assert_engine_usable(llm, reference: list[int]) -> None:
+    assert_engine_idle(llm)  # nothing of the rejected call was scheduled
+    out = llm.generate([PROBE], GREEDY, use_tqdm=False)
+    assert out[0]["token_ids"] == reference and out[0]["finish_reason"] == "length"
+    assert_engine_idle(llm)
+
+
+VOCAB = 49152  # SmolLM2's vocabulary size
+# (prompts, params, a word the message must contain)
+BAD_REQUESTS = {
+    "empty token list": ([[]], GREEDY, "empty"),
+    "empty string": ([""], GREEDY, "empty"),
+    "prompt longer than max_model_len": ([[1] * (MAX_MODEL_LEN + 1)], GREEDY, "shorten the prompt"),
+    "prompt + max_tokens past max_model_len": ([[1] * 100], SamplingParams(max_tokens=29), "lower max_tokens"),
+    "token id outside the vocabulary": ([[1, 2, VOCAB]], GREEDY, "vocabulary"),
+    "params list length mismatch": ([PROBE, PROBE], [GREEDY], "one per prompt"),
+    "one good, one bad prompt": ([PROBE, [1] * (MAX_MODEL_LEN + 1)], GREEDY, "max_model_len"),
+}
+MORE_BAD_REQUESTS = {
+    "negative token id": ([[-1, 2]], GREEDY, "vocabulary"),
+    "more params than prompts": ([PROBE], [GREEDY, GREEDY], "one per prompt"),
+    "params not SamplingParams": ([PROBE], [dict(temperature=0)], "SamplingParams"),
+    "a bare string": (PROBE, GREEDY, "wrap"),
+    "bad prompt last of three": ([PROBE, PROBE, []], GREEDY, "empty"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_request_raises_and_engine_stays_usable(llm, reference, case):
+    prompts, params, word = BAD_REQUESTS[case]
+    with pytest.raises(ValueError, match=word):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert_engine_usable(llm, reference)
+
+
+@pytest.mark.slow
+def test_more_bad_requests_raise(llm, reference):
+    """Further rejects, checked in one go to keep the file fast; one generation at the end."""
+    for case, (prompts, params, word) in MORE_BAD_REQUESTS.items():
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        except ValueError as e:
+            assert word in str(e), f"{case}: the message should name the fix ({word!r}): {e}"
+        else:
+            pytest.fail(f"{case}: no ValueError")
+        assert_engine_idle(llm)
+    assert_engine_usable(llm, reference)
+
+
+@pytest.mark.slow
+def test_request_of_exactly_max_model_len_runs(llm, reference):
+    """prompt + max_tokens == max_model_len fits the smallest allowed cache: it must run, not hang."""
+    prompt = [1] + [28] * (MAX_MODEL_LEN - 5)  # 124 tokens, 4 to generate
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 4 and out[0]["finish_reason"] == "length"
+    assert_engine_idle(llm)
