@@ -17,18 +17,22 @@ Engines, one after the other in this process (each freed before the next starts)
              each request is credited only its own max_tokens: the wasted steps are the nature of
              static batching, which is what continuous batching fixes.
   hf-cb      transformers continuous batching (init_continuous_batching, paged sdpa attention,
-             per-request max_new_tokens, EOS disabled), with the library's default settings.
+             per-request max_new_tokens, EOS disabled), with the library's default settings (which
+             include its own prefix sharing, so it also gains on w2).
 
 Roofline: a decode step is memory-bound; it must read every weight once plus the KV cache of every
 running sequence. We simulate the ideal schedule (all requests decode together, up to max_num_seqs;
 at step t a request with output_len > t reads prompt_len + t tokens of KV), add up the bytes of the
 steps and divide by HBM bandwidth: a lower bound on decode time. "roof" = achieved tokens/s / bound
-tokens/s. Prefill is not in the bound but is in the wall time, so 100% is out of reach.
+tokens/s. Prefill is not in the bound but is in the wall time, so 100% is out of reach. On w2 each
+sequence reads its own copy of the shared prefix's KV, as paged attention does.
 
 CPU mode (--cpu, or no CUDA): the packaged default model and small workloads; roofline is "-".
   python bench.py                                  # GPU: w1 + w2, nanoserve + both HF peers
-  python bench.py --cpu                            # a minute or two on a laptop
-  python bench.py --plot-from bench.json --plot bench.png
+  python bench.py --cpu                            # about 3.5 minutes on a 2-core VM
+  python bench.py --plot-from bench.json --plot bench.png   # also merges several JSONs: a.json,b.json
+The hf peers take minutes on w1 (about 4 each on an H100): split long runs with --engines/--workload,
+one --json each, and merge them with --plot-from.
 """
 import argparse
 import gc
@@ -350,8 +354,8 @@ def run_hf_cb(model_dir: str, wl: Workload, args: argparse.Namespace, device: st
         seconds = time.perf_counter() - start
     finally:
         mgr.stop(block=True, timeout=60)
-        if hasattr(model, "destroy_cached_continuous_batching_manager"):
-            model.destroy_cached_continuous_batching_manager()
+        if hasattr(mgr, "destroy"):   # 5.23: also releases the manager's distributed resources
+            mgr.destroy()
     return seconds, short_tokens([lengths[r] for r in ids], wl.output_lens)
 
 
@@ -520,18 +524,37 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bandwidth", type=float, help="HBM bytes/s per GPU for the roofline (default: by GPU name)")
     p.add_argument("--json", help="write rows, hardware, model and workloads to this file")
     p.add_argument("--plot", help="write a PNG bar chart of tokens/s")
-    p.add_argument("--plot-from", help="only render --plot from a JSON written by --json")
+    p.add_argument("--plot-from", help="only render --plot from JSON file(s) written by --json, comma-separated")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # smoke test of the w1 model path
     return p.parse_args()
 
 
+def roofline_tokens_per_s(wl: Workload, w_bytes: int, kv_bytes: int, bandwidth: float | None) -> float | None:
+    if not bandwidth:
+        return None
+    seconds = decode_bound_seconds([len(p) for p in wl.prompts], wl.output_lens, w_bytes, kv_bytes, bandwidth)
+    return wl.output_tokens / seconds
+
+
+def fill_ratios(rows: list[Row], bound: float | None) -> None:
+    """Ratios against nanoserve (prefix caching on) on the same workload, and against the roofline."""
+    base = next((r.tokens_per_s for r in rows if r.engine == "nanoserve"), None)
+    for r in rows:
+        if r.tokens_per_s:
+            r.ratio = r.tokens_per_s / base if base else None
+            r.roofline_fraction = r.tokens_per_s / bound if bound else None
+
+
+def write_json(path: str, meta: dict, rows: list[Row]) -> None:
+    Path(path).write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2))
+
+
 def main() -> None:
     args = parse_args()
-    if args.plot_from:
-        plot(json.loads(Path(args.plot_from).read_text())["rows"], args.plot or "bench.png")
-        return
+    if args.plot_from:   # several JSON files (one per run) merge into one chart
+        rows = [r for f in args.plot_from.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+        return plot(rows, args.plot or "bench.png")
     cpu = args.cpu or not torch.cuda.is_available()
-    device = "cpu" if cpu else "cuda"
     engines = args.engines.split(",")
     unknown = (set(engines) - {"nanoserve", "hf", "hf-cb"}) | (set(args.workload.split(",")) - {"w1", "w2"})
     if unknown:
@@ -544,33 +567,28 @@ def main() -> None:
     model_dir = resolve_model_dir(args, cpu)
     model_cfg = json.loads((Path(model_dir) / "config.json").read_text())
     w_bytes, kv_bytes = weight_bytes(model_dir), kv_bytes_per_token(model_cfg)
+    total_bw = bandwidth * args.tp if bandwidth else None    # with TP each GPU streams its own shard
     log(f"{hardware}\nmodel {model_dir}: {w_bytes / 1e9:.3f} GB of weights, {kv_bytes:,} KV bytes/token, "
-        f"bandwidth {fmt(bandwidth, '.3g')} B/s x {args.tp} GPU(s)")
-    rows, workloads = [], {}
+        f"HBM bandwidth {fmt(bandwidth, '.3g')} B/s x {args.tp} GPU(s)")
+    shape = {k: model_cfg[k] for k in (*QWEN3_0_6B, "architectures", "dtype", "torch_dtype") if k in model_cfg}
+    meta = {"command": " ".join(sys.argv), "hardware": hardware, "temperature": TEMPERATURE,
+            "model": {"dir": model_dir, **shape, "weight_bytes": w_bytes, "kv_bytes_per_token": kv_bytes},
+            "bandwidth_bytes_per_s": bandwidth, "tensor_parallel_size": args.tp, "workloads": {}}
+    rows: list[Row] = []
     for wl in build_workloads(args, cpu):
-        bound = None
-        if bandwidth:     # with TP each GPU streams its shard: aggregate bandwidth
-            secs = decode_bound_seconds([len(p) for p in wl.prompts], wl.output_lens, w_bytes, kv_bytes,
-                                        bandwidth * args.tp)
-            bound = wl.output_tokens / secs
-        workloads[wl.name] = {"description": wl.description, "requests": len(wl.prompts),
-                              "output_tokens": wl.output_tokens, "roofline_tokens_per_s": bound}
+        bound = roofline_tokens_per_s(wl, w_bytes, kv_bytes, total_bw)
+        meta["workloads"][wl.name] = {"description": wl.description, "requests": len(wl.prompts),
+                                      "output_tokens": wl.output_tokens, "roofline_tokens_per_s": bound}
         log(f"\n== {wl.name}: {wl.description}; decode roofline {fmt(bound, ',.0f')} tokens/s")
-        wl_rows = [run_engine(name, runner, model_dir, wl, args, device) for name, runner in engines_for(wl, engines)]
-        base = next((r.tokens_per_s for r in wl_rows if r.engine == "nanoserve"), None)
-        for r in wl_rows:
-            if r.tokens_per_s:
-                r.ratio = r.tokens_per_s / base if base else None
-                r.roofline_fraction = r.tokens_per_s / bound if bound else None
+        wl_rows: list[Row] = []
+        for name, runner in engines_for(wl, engines):
+            wl_rows.append(run_engine(name, runner, model_dir, wl, args, device="cpu" if cpu else "cuda"))
+            fill_ratios(wl_rows, bound)
+            if args.json:   # after every engine: a run cut short still leaves its figures
+                write_json(args.json, meta, rows + wl_rows)
         rows += wl_rows
     print_table(rows)
     if args.json:
-        shape = {k: model_cfg.get(k) for k in (*QWEN3_0_6B, "architectures", "dtype", "torch_dtype") if k in model_cfg}
-        report = {"command": " ".join(sys.argv), "hardware": hardware, "temperature": TEMPERATURE,
-                  "model": {"dir": model_dir, **shape, "weight_bytes": w_bytes, "kv_bytes_per_token": kv_bytes},
-                  "bandwidth_bytes_per_s": bandwidth, "tensor_parallel_size": args.tp, "workloads": workloads,
-                  "rows": [asdict(r) for r in rows]}
-        Path(args.json).write_text(json.dumps(report, indent=2))
         log(f"wrote {args.json}")
     if args.plot:
         plot([asdict(r) for r in rows], args.plot)

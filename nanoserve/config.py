@@ -110,7 +110,7 @@ class SamplingParams:
     seed: int | None = None  # fixed seed: the same request samples the same tokens in any batch
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")

@@ -10,12 +10,14 @@ Invariant: after generate() returns or raises, no sequence of that call is left 
 import atexit
 import logging
 import multiprocessing as mp
+import queue
 import socket
 import time
 import traceback
 from multiprocessing.shared_memory import SharedMemory
 from uuid import uuid4
 
+import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -27,6 +29,7 @@ from nanoserve.weights import default_model_dir
 
 logger = logging.getLogger("nanoserve")
 WORKER_JOIN_SECONDS = 5  # how long shutdown waits for a worker before killing it
+WORKER_ERROR_WAIT_SECONDS = 0.5  # how long a failure waits for the workers' own error reports
 
 
 def free_port() -> int:
@@ -36,10 +39,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_main(config: Config, rank: int, shm_name: str, event, port: int, errors: mp.Queue) -> None:
+def worker_main(config: Config, rank: int, shm_name: str, wakeup, port: int, errors: mp.Queue) -> None:
     """Entry point of TP ranks 1..N-1: build the same model shard, then serve rank 0's calls."""
     try:
-        runner = ModelRunner(config, rank, shm_name, [event], port)
+        runner = ModelRunner(config, rank, shm_name, [wakeup], port)
         runner.worker_loop()
         runner.shutdown()
     except BaseException:  # report any failure to rank 0 instead of dying silently
@@ -67,27 +70,33 @@ class LLMEngine:
         tp = self.config.tensor_parallel_size
         if tp == 1:
             return ModelRunner(self.config)
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel engine (torch.distributed allows one "
+                               "process group per process): shut it down first, or start this one in another process")
         ctx = mp.get_context("spawn")
         self.shm = SharedMemory(name=f"nanoserve-{uuid4().hex[:16]}", create=True, size=SHM_BYTES)
         self.worker_errors = ctx.Queue()
-        port, events = free_port(), [ctx.Event() for _ in range(1, tp)]
-        for rank, event in enumerate(events, start=1):
+        port, wakeups = free_port(), [ctx.Semaphore(0) for _ in range(1, tp)]
+        for rank, wakeup in enumerate(wakeups, start=1):
             proc = ctx.Process(target=worker_main, daemon=True,
-                               args=(self.config, rank, self.shm.name, event, port, self.worker_errors))
+                               args=(self.config, rank, self.shm.name, wakeup, port, self.worker_errors))
             proc.start()
             self.workers.append(proc)
-        return ModelRunner(self.config, 0, self.shm.name, events, port, self.check_workers)
+        return ModelRunner(self.config, 0, self.shm.name, wakeups, port, self.check_workers)
 
     def check_workers(self) -> None:
-        """Raise the first worker's error if any worker died (called by rank 0 around each step)."""
-        dead = [p for p in self.workers if not p.is_alive()]
+        """Raise a RuntimeError carrying the workers' errors if any worker died (rank 0 calls it each step)."""
+        dead = [(rank, p) for rank, p in enumerate(self.workers, start=1) if not p.is_alive()]
         if not dead:
             return
-        try:
-            detail = self.worker_errors.get(timeout=1)
-        except Exception:  # queue.Empty: killed without a word (e.g. SIGKILL)
-            detail = f"worker pid {dead[0].pid} exited with code {dead[0].exitcode}"
-        raise RuntimeError(f"a tensor-parallel worker failed; shut this engine down and start a new one.\n{detail}")
+        lines = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}" for rank, p in dead]
+        while True:  # what the workers reported before exiting; a SIGKILLed one reports nothing
+            try:
+                lines.append(self.worker_errors.get(timeout=WORKER_ERROR_WAIT_SECONDS))
+            except queue.Empty:
+                break
+        raise RuntimeError("a tensor-parallel worker failed; shut this engine down and start a new one.\n"
+                           + "\n".join(lines))
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}

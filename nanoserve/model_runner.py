@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 from multiprocessing.shared_memory import SharedMemory
-from multiprocessing.synchronize import Event
+from multiprocessing.synchronize import Semaphore
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, shm_name: str | None = None, events: list[Event] | None = None,
+    def __init__(self, config: Config, rank: int = 0, shm_name: str | None = None, wakeups: list[Semaphore] | None = None,
                  port: int | None = None, check_workers: Callable[[], None] | None = None) -> None:
         self.config, self.rank = config, rank
         self.world_size = config.tensor_parallel_size
@@ -67,7 +67,7 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.shm = SharedMemory(shm_name) if shm_name else None
-        self.events = events or []
+        self.wakeups = wakeups or []  # rank 0: one per worker; a worker: its own
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:  # NCCL between GPUs, gloo between CPU processes; same code either way
@@ -281,22 +281,21 @@ class ModelRunner:
 
     # ---- tensor-parallel plumbing -----------------------------------------------------------------
     def call(self, method: str, *args: object) -> None:
-        """Rank 0: write (method, args) into shared memory and wake every worker to run it too."""
+        """Rank 0: write (method, args) into shared memory and wake every worker to run it too.
+        A semaphore, not an Event, wakes them: Event.set() blocks forever if a waiter was killed."""
         data = pickle.dumps((method, args))
         assert len(data) + 4 <= SHM_BYTES, "call arguments exceed the shared-memory segment"
         self.shm.buf[:4] = len(data).to_bytes(4, "little")
         self.shm.buf[4:4 + len(data)] = data
-        for event in self.events:
-            event.set()
+        for wakeup in self.wakeups:
+            wakeup.release()
 
     def worker_loop(self) -> None:
         """Ranks 1..N-1: wait for rank 0's call, run it, repeat until told to exit."""
-        event = self.events[0]
         while True:
-            event.wait()
+            self.wakeups[0].acquire()
             n = int.from_bytes(self.shm.buf[:4], "little")
             method, args = pickle.loads(self.shm.buf[4:4 + n])
-            event.clear()
             if method == "exit":
                 break
             getattr(self, method)(*args)

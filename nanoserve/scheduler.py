@@ -53,7 +53,8 @@ class Scheduler:
         """Take waiting prompts in order while the token budget, the batch size and the free blocks allow."""
         batch = Batch([], [], is_prefill=True)
         budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(batch.seqs) < self.max_num_seqs:
+        # a finished prompt joins `running` at once, so len(running) counts this batch too
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table and not self.block_manager.allocate(seq):
                 break  # not enough free blocks: wait for running sequences to finish

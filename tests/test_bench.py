@@ -103,3 +103,16 @@ def test_plot_from_json(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps({"rows": rows}))
     bench.plot(json.loads((tmp_path / "b.json").read_text())["rows"], str(tmp_path / "b.png"))
     assert (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_build_tiny_random_qwen3(tmp_path):
+    """The w1 model path (random Qwen3 + decode-only tokenizer), shrunk to run in seconds on a CPU."""
+    from transformers import AutoConfig, AutoTokenizer
+    model_dir = bench.build_random_qwen3(tmp_path / "qwen3", bench.QWEN3_TINY, "cpu")
+    cfg = AutoConfig.from_pretrained(model_dir)
+    assert cfg.architectures == ["Qwen3ForCausalLM"] and cfg.tie_word_embeddings and cfg.eos_token_id == bench.EOS_ID
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert tok.eos_token_id == bench.EOS_ID and tok.decode([5, 7]) == "<5> <7>"
+    hidden, vocab = bench.QWEN3_TINY["hidden_size"], bench.QWEN3_TINY["vocab_size"]
+    assert vocab * hidden * 2 < bench.weight_bytes(model_dir) < 2 * vocab * hidden * 2  # embedding stored once
+    assert bench.build_random_qwen3(tmp_path / "qwen3", bench.QWEN3_TINY, "cpu") == model_dir  # reused

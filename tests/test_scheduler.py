@@ -83,9 +83,6 @@ def test_running_set_never_exceeds_max_num_seqs(model_dir):
     assert all(seq.num_output_tokens == 3 for seq in seqs)
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler.py _schedule_prefill counts a prompt twice against "
-                   "max_num_seqs (in batch.seqs and again in running once appended there), so a prefill "
-                   "batch with an empty running set takes only about max_num_seqs / 2 prompts")
 def test_prefill_fills_up_to_max_num_seqs(model_dir):
     sched = make_scheduler(model_dir, max_num_seqs=2)
     a, b, c = (make_seq(prompt(5, 100 * i), max_tokens=2) for i in range(3))
@@ -107,8 +104,10 @@ def test_decode_respects_max_num_seqs(model_dir):
     seqs = [make_seq(prompt(3, 100 * i), max_tokens=9) for i in range(3)]
     for seq in seqs:
         sched.add(seq)
-    while len(sched.running) < 3:
-        step(sched)
+    for _ in range(3):  # prefill all three (however many steps that takes)
+        if len(sched.running) < 3:
+            step(sched)
+    assert list(sched.running) == seqs
     sched.max_num_seqs = 2
     batch, _ = step(sched)
     assert not batch.is_prefill and batch.seqs == seqs[:2]
@@ -170,45 +169,51 @@ def test_decode_gives_every_running_sequence_one_token(model_dir):
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_preemption_frees_newest_and_recomputes_it(model_dir, enable_prefix_caching):
-    # 6 blocks of 4 tokens: a and b (8-token prompts) fit with 2 blocks to spare; c (20 tokens) cannot start
-    sched = make_scheduler(model_dir, num_kvcache_blocks=6, max_model_len=24,
+    # 9 blocks of 4 tokens: a, b, d (8-token prompts, 2 blocks each) fit with 3 blocks to spare, one
+    # for each one's 3rd block; c (20 tokens, 5 blocks) cannot start
+    sched = make_scheduler(model_dir, num_kvcache_blocks=9, max_model_len=36,
                            enable_prefix_caching=enable_prefix_caching)
     params = dict(max_tokens=10, ignore_eos=True)
-    a, b = make_seq(prompt(8), **params), make_seq(prompt(8, 100), **params)
-    c = make_seq(prompt(20, 200), max_tokens=4, ignore_eos=True)
-    for seq in (a, b, c):
+    a, b, d = (make_seq(prompt(8, 100 * i), **params) for i in range(3))
+    c = make_seq(prompt(20, 300), max_tokens=4, ignore_eos=True)
+    for seq in (a, b, d, c):
         sched.add(seq)
     batch, _ = step(sched)
-    assert batch.seqs == [a, b] and list(sched.waiting) == [c]
+    assert batch.seqs == [a, b, d] and list(sched.waiting) == [c]
     for _ in range(50):  # decode until the cache runs out
         batch, _ = step(sched)
         assert not batch.is_prefill
-        if batch.seqs != [a, b]:
+        if batch.seqs != [a, b, d]:
             break
-    # a needs a 4th block at 13 tokens and none is free: b, the newest, is preempted
-    assert batch.seqs == [a] and a.num_tokens == 14
-    assert list(sched.waiting) == [b, c] and list(sched.running) == [a]
-    assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
-    assert b.token_ids[:8] == prompt(8, 100) and b.num_output_tokens == 5  # its output is kept
-    # b cannot come back until a finishes and frees its blocks
-    while a.status != SequenceStatus.FINISHED:
-        batch, _ = step(sched)
-        assert batch.seqs == [a]
-    assert a.finish_reason == "length" and a.num_output_tokens == 10
-    batch = sched.schedule()
-    assert batch.is_prefill and batch.seqs == [b]
-    # its generated tokens are recomputed. b's blocks were freed tail first, and a took two of them as
-    # it grew to 5 blocks: with prefix caching only b's first block is still cached
-    assert b.num_cached_tokens == (4 if enable_prefix_caching else 0)
-    assert batch.num_new_tokens == [b.num_tokens - b.num_cached_tokens] == [13 - b.num_cached_tokens]
-    sched.postprocess(batch, [55])
-    assert b.num_output_tokens == 6 and b.output_token_ids[-1] == 55
-    for _ in range(50):
+    # at 13 tokens a and b each need a 4th block and none is free: d, the newest, is preempted
+    assert batch.seqs == [a, b] and a.num_tokens == b.num_tokens == 14
+    assert list(sched.waiting) == [d, c] and list(sched.running) == [a, b]
+    assert d.status == SequenceStatus.WAITING and d.block_table == [] and d.num_computed_tokens == 0
+    assert d.token_ids[:8] == prompt(8, 200) and d.num_output_tokens == 5  # its output is kept
+    bm = sched.block_manager
+    assert bm.num_free_blocks == 1 and all(bm.blocks[i].ref_count == 1 for i in a.block_table + b.block_table)
+    # run to the end; every resumed sequence recomputes its generated tokens in one prefill
+    resumed = []
+    for _ in range(200):
         if sched.is_finished():
             break
-        step(sched)
+        batch = sched.schedule()
+        if batch.is_prefill:
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+                assert seq.num_computed_tokens == seq.num_cached_tokens  # from the cache, or 0
+                assert num_new == seq.num_tokens - seq.num_cached_tokens  # prompt and output tokens
+                if seq.num_output_tokens:
+                    resumed.append((seq, seq.num_output_tokens, seq.num_cached_tokens))
+        sched.postprocess(batch, [55] * len(batch.seqs))
     assert sched.is_finished()
-    assert b.num_output_tokens == 10 and c.num_output_tokens == 4
+    assert [seq.num_output_tokens for seq in (a, b, d, c)] == [10, 10, 10, 4]
+    assert d in [seq for seq, _, _ in resumed]
+    for seq, num_out, num_cached in resumed:
+        assert num_out >= 1 and num_cached % BS == 0
+        if not enable_prefix_caching:
+            assert num_cached == 0
+    if enable_prefix_caching:  # some of a resumed sequence's blocks were still cached
+        assert any(num_cached > 0 for _, _, num_cached in resumed)
     assert all_blocks_free(sched)
 
 
@@ -228,13 +233,14 @@ def test_lone_sequence_is_never_preempted_into_a_hang(model_dir):
 
 
 @pytest.mark.parametrize("params, tokens, reason, num_out", [
-    (dict(max_tokens=5), [3, EOS, 3, 3, 3], "stop", 2),
-    (dict(max_tokens=3, ignore_eos=True), [EOS] * 5, "length", 3),
-    (dict(max_tokens=5, stop_token_ids=[17]), [3, 3, 17, 3, 3], "stop", 3),
-    (dict(max_tokens=5, stop_token_ids=[17], ignore_eos=True), [EOS, 17, 3, 3, 3], "stop", 2),
-    (dict(max_tokens=4), [3, 3, 3, 3, 3], "length", 4),
-    (dict(max_tokens=1), [3, 3], "length", 1),  # finishes in its prefill step
-    (dict(max_tokens=1), [EOS], "stop", 1),
+    pytest.param(dict(max_tokens=5), [3, EOS, 3, 3, 3], "stop", 2, id="eos"),
+    pytest.param(dict(max_tokens=3, ignore_eos=True), [EOS] * 5, "length", 3, id="ignore_eos"),
+    pytest.param(dict(max_tokens=5, stop_token_ids=[17]), [3, 3, 17, 3, 3], "stop", 3, id="stop_token"),
+    pytest.param(dict(max_tokens=5, stop_token_ids=[17], ignore_eos=True), [EOS, 17, 3, 3, 3], "stop", 2,
+                 id="stop_token_despite_ignore_eos"),
+    pytest.param(dict(max_tokens=4), [3, 3, 3, 3, 3], "length", 4, id="max_tokens"),
+    pytest.param(dict(max_tokens=1), [3, 3], "length", 1, id="max_tokens_1_in_prefill"),
+    pytest.param(dict(max_tokens=1), [EOS], "stop", 1, id="eos_at_max_tokens"),
 ])
 def test_finish_conditions(model_dir, params, tokens, reason, num_out):
     sched = make_scheduler(model_dir)

@@ -1,0 +1,151 @@
+"""On an NVIDIA GPU: nanoserve against transformers with the same random weights (Qwen3 and Llama shapes),
+comparing per-step logprobs the way vLLM's check_logprobs_close does (equal tokens until the first near-tie,
+logprobs within a tolerance); CUDA-graph decode against eager decode; prefix-cache hit against no hit.
+Skipped on machines without CUDA."""
+import gc
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from tokenizers import Tokenizer, models
+
+from nanoserve import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+VOCAB = 8192
+MAX_TOKENS = 24
+LOGPROB_TOL = 0.15  # nats: bf16 rounding differs between the engines, a real bug is far larger
+SHAPES = {
+    "qwen3": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB,
+                                 tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e6,
+                                 initializer_range=0.1, architectures=["Qwen3ForCausalLM"]),
+    # SmolLM2's head layout: 3 KV heads x 64 = 192 values a token, not a power of two
+    "llama": lambda: LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                                 num_attention_heads=9, num_key_value_heads=3, vocab_size=VOCAB,
+                                 tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e5,
+                                 initializer_range=0.1, architectures=["LlamaForCausalLM"]),
+}
+
+
+def save_random_model(cfg, path: str) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                  eos_token="t1")
+    tok.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def model_dir(request, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp(request.param))
+    save_random_model(SHAPES[request.param](), path)
+    return path
+
+
+def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (int(torch.randint(5, 300, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def record_logprobs(llm: LLM, prompt_list: list[list[int]], **engine_params) -> tuple[list, list]:
+    """Greedy token ids and per-step logprobs (one (V,) row per generated token) of each prompt."""
+    runner = llm.model_runner
+    steps: dict[int, list[torch.Tensor]] = {}
+    sample = runner.sample
+
+    def spy(logits, seqs):
+        lp = logits.float().log_softmax(-1).cpu()
+        for row, seq in zip(lp, seqs):
+            steps.setdefault(seq.seq_id, []).append(row)
+        return sample(logits, seqs)
+
+    runner.sample = spy
+    try:
+        seqs = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+                for p in prompt_list]
+        while not llm.scheduler.is_finished():
+            llm.step()
+    finally:
+        runner.sample = sample
+    # a chunked prefill records logits for unfinished chunks too; only the last MAX_TOKENS rows are samples
+    return [s.output_token_ids for s in seqs], [steps[s.seq_id][-MAX_TOKENS:] for s in seqs]
+
+
+def hf_logprobs(model_dir: str, prompt_list: list[list[int]]) -> tuple[list, list]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ids, lps = [], []
+    with torch.no_grad():
+        for p in prompt_list:
+            out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+            ids.append(out.sequences[0, len(p):].tolist())
+            lps.append([step[0].float().log_softmax(-1).cpu() for step in out.logits])
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ids, lps
+
+
+def assert_logprobs_close(ids_a, lps_a, ids_b, lps_b, tol: float = LOGPROB_TOL) -> None:
+    """Same tokens until the first step where the two disagree; there it must be a near-tie in both.
+    Along the shared prefix, the logprobs of the top-5 tokens agree within tol."""
+    for seq_a, steps_a, seq_b, steps_b in zip(ids_a, lps_a, ids_b, lps_b):
+        for tok_a, lp_a, tok_b, lp_b in zip(seq_a, steps_a, seq_b, steps_b):
+            top = lp_b.topk(5).indices
+            assert (lp_a[top] - lp_b[top]).abs().max() < tol
+            if tok_a != tok_b:  # a near-tie: each engine's choice is almost as likely in the other
+                assert lp_b[tok_b] - lp_b[tok_a] < tol and lp_a[tok_a] - lp_a[tok_b] < tol
+                break
+
+
+def test_logprobs_close_to_transformers(model_dir):
+    prompt_list = prompts()
+    ref_ids, ref_lps = hf_logprobs(model_dir, prompt_list)
+    with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024) as llm:
+        ids, lps = record_logprobs(llm, prompt_list)
+    assert_logprobs_close(ids, lps, ref_ids, ref_lps)
+    assert sum(a == b for a, b in zip(ids, ref_ids)) >= len(ids) // 2  # most sequences match outright
+
+
+def test_cudagraph_decode_matches_eager(model_dir):
+    prompt_list = prompts(n=37, seed=1)  # 37 running sequences replay the graph captured for 48
+    results = {}
+    for eager in (True, False):
+        with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=eager) as llm:
+            assert bool(getattr(llm.model_runner, "graphs", None)) == (not eager)
+            results[eager] = record_logprobs(llm, prompt_list)
+    assert_logprobs_close(*results[False], *results[True], tol=0.05)
+    assert sum(a == b for a, b in zip(results[False][0], results[True][0])) >= 30
+
+
+def test_prefix_hit_matches_no_hit(model_dir):
+    system = prompts(n=1, seed=2)[0][:5] * 20  # 100 shared tokens: 6 full blocks of 16
+    tails = prompts(n=8, seed=3)
+    shared = [system + t[:40] for t in tails]
+    results = {}
+    for caching in (True, False):
+        with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, enable_prefix_caching=caching) as llm:
+            record_logprobs(llm, shared[:1])  # computes and caches the shared prefix
+            results[caching] = record_logprobs(llm, shared[1:])
+            hits = llm.scheduler.block_manager.stats["hit"]
+        assert (hits >= 6 * 7) if caching else hits == 0
+    assert_logprobs_close(*results[True], *results[False], tol=0.05)
+
+
+def test_chunked_prefill_matches_whole(model_dir):
+    prompt_list = prompts(n=3, seed=4)
+    results = {}
+    for budget in (16384, 64):
+        with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, max_num_batched_tokens=budget) as llm:
+            results[budget] = record_logprobs(llm, prompt_list)
+    assert_logprobs_close(*results[64], *results[16384], tol=0.05)
+
+
+def test_kv_cache_too_small_names_missing_memory(model_dir):
+    with pytest.raises(ValueError, match="GiB missing"):
+        LLM(model_dir, gpu_memory_utilization=0.01, max_model_len=4096, max_num_batched_tokens=4096)
