@@ -10,9 +10,10 @@ The forward context carries the batch layout (cu_seqlens, slot_mapping, block_ta
 model runner to the Attention layers without threading it through every forward signature.
 Owns no weights' file format (weights.py) and no kernel (kernels.py).
 """
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,33 @@ def get_forward_context() -> ForwardContext:
 
 
 # ---- elementwise layers ------------------------------------------------------------------------------
+def gpu_compiled(fn: Callable) -> Callable:
+    """torch.compile fuses a chain of elementwise ops into one kernel, which on the GPU saves a launch and a
+    round trip through memory per op (a decode step has thousands of them). The CPU path stays eager, so
+    running and testing nanoserve needs no compiler."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    @functools.wraps(fn)
+    def dispatch(x: Tensor, *args: object) -> object:
+        return compiled(x, *args) if x.is_cuda else fn(x, *args)
+    return dispatch
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()  # the mean of squares in float32, then back to the model's dtype (as transformers does)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
+rms_norm = gpu_compiled(_rms_norm)
+
+
+@gpu_compiled
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    residual = x + residual
+    return _rms_norm(residual, weight, eps), residual
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -73,13 +101,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMS-normalize x; with a residual, first add it (fused add + norm) and also return the sum."""
-        if residual is not None:
-            x = residual = x + residual
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = xf.to(dtype) * self.weight
-        return out if residual is None else (out, residual)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+@gpu_compiled
+def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """Rotate each (x1, x2) half-pair of x (N, heads, D) by its position's angle; cos_sin (N, D) float32."""
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
+    x1, x2 = x.float().chunk(2, dim=-1)  # (N, heads, D/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -92,15 +124,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)  # (P, D)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    @staticmethod
-    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)  # (N, heads, D/2) each
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+        cos_sin = self.cos_sin[positions]  # (N, D)
+        return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
 
 
+@gpu_compiled
 def silu_and_mul(x: Tensor) -> Tensor:
     gate, up = x.chunk(2, -1)  # (N, I) each
     return F.silu(gate) * up
@@ -238,12 +266,12 @@ class Sampler(nn.Module):
         greedy = logits.argmax(-1)  # (S,)
         if noise is None:
             return greedy
-        logits = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
+        logits = logits.div_(temperatures.clamp(min=1e-5).unsqueeze(1))  # in place: (S, V) is large
         if top_ks is not None or top_ps is not None:
             logits = self.mask_top_k_top_p(logits, top_ks, top_ps)
         probs = logits.softmax(-1)
         # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race), with no host sync
-        sampled = (probs / noise).argmax(-1)
+        sampled = probs.div_(noise).argmax(-1)
         return torch.where(temperatures == 0, greedy, sampled)  # (S,)
 
     @staticmethod

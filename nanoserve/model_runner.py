@@ -8,6 +8,7 @@ Does not own: which sequences run (scheduler) or which blocks they hold (block_m
 Invariant: the KV cache is sized once, at start-up, before any request is admitted.
 Called by: llm_engine (run, shutdown); TP workers run `worker_loop`.
 """
+import gc
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,6 +119,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             wanted = self.max_blocks_per_seq * self.config.max_num_seqs
             return min(wanted, CPU_KV_CACHE_BYTES // block_bytes)
+        gc.collect()  # an engine shut down earlier in this process may still hold cached blocks
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.warmup()
@@ -179,10 +181,7 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray | None) -> Tensor | None:
         if array is None:
             return None
-        t = torch.from_numpy(array)
-        if self.device.type == "cuda":  # pinned memory lets the copy run asynchronously
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs) -> Tensor | None:
@@ -238,7 +237,7 @@ class ModelRunner:
 
     def replay_cudagraph(self, inputs: BatchInputs) -> Tensor:
         bs = len(inputs.input_ids)
-        graph_bs = next(b for b in self.graphs if b >= bs) if bs not in self.graphs else bs
+        graph_bs = min(b for b in self.graphs if b >= bs)  # the smallest captured batch that fits
         buf = self.graph_buffers
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
             buf[name][:bs].copy_(torch.from_numpy(getattr(inputs, name)), non_blocking=True)
@@ -305,6 +304,11 @@ class ModelRunner:
             self.call("exit")
         if self.shm is not None:
             self.shm.close()
-        self.graphs = {}
         if dist.is_initialized():
             dist.destroy_process_group()
+        # drop every GPU tensor now, so a next engine in this process finds the memory free
+        self.graphs, self.graph_buffers = {}, {}
+        del self.model, self.kv_cache
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 VOCAB = 8192
 MAX_TOKENS = 24
-LOGPROB_TOL = 0.15  # nats: bf16 rounding differs between the engines, a real bug is far larger
+LOGPROB_TOL = 0.3  # nats: bf16 rounding differs between the engines and grows over steps; a bug is far larger
 SHAPES = {
     "qwen3": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB,
@@ -116,7 +116,7 @@ def test_cudagraph_decode_matches_eager(model_dir):
     prompt_list = prompts(n=37, seed=1)  # 37 running sequences replay the graph captured for 48
     results = {}
     for eager in (True, False):
-        with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=eager) as llm:
+        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, enforce_eager=eager) as llm:
             assert bool(getattr(llm.model_runner, "graphs", None)) == (not eager)
             results[eager] = record_logprobs(llm, prompt_list)
     assert_logprobs_close(*results[False], *results[True], tol=0.05)
@@ -129,7 +129,7 @@ def test_prefix_hit_matches_no_hit(model_dir):
     shared = [system + t[:40] for t in tails]
     results = {}
     for caching in (True, False):
-        with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, enable_prefix_caching=caching) as llm:
+        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, enable_prefix_caching=caching) as llm:
             record_logprobs(llm, shared[:1])  # computes and caches the shared prefix
             results[caching] = record_logprobs(llm, shared[1:])
             hits = llm.scheduler.block_manager.stats["hit"]
@@ -141,7 +141,7 @@ def test_chunked_prefill_matches_whole(model_dir):
     prompt_list = prompts(n=3, seed=4)
     results = {}
     for budget in (16384, 64):
-        with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024, max_num_batched_tokens=budget) as llm:
+        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, max_num_batched_tokens=budget) as llm:
             results[budget] = record_logprobs(llm, prompt_list)
     assert_logprobs_close(*results[64], *results[16384], tol=0.05)
 

@@ -1,0 +1,114 @@
+"""bench_micro.py: the two GPU micro-benchmarks behind the README's kernel and CUDA-graph figures.
+
+  decode kernel   paged_decode at Qwen3-0.6B's heads (16 q / 8 KV, head dim 128, bf16, block 16), context
+                  1024: bytes it must read (K and V of every sequence, q, out) over its time, as a fraction
+                  of the HBM bandwidth. Inputs rotate through more memory than L2 holds, so every read is
+                  a real HBM read.
+  decode step     one whole decode forward (model + LM head + sampling) of the random-weight Qwen3-0.6B
+                  from bench.py, eager vs CUDA graph, at several batch sizes, context 1024.
+
+    python bench_micro.py [--bandwidth 3.35e12] [--json out.json]
+"""
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from bench import HBM_BANDWIDTH, QWEN3_0_6B, resolve_model_dir
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import paged_decode
+from nanoserve.model_runner import BatchInputs
+from nanoserve.scheduler import Batch
+from nanoserve.sequence import Sequence
+
+CONTEXT = 1024
+L2_FLUSH_BYTES = 256 << 20  # rotate inputs through more than the 50-60 MB L2
+
+
+def time_cuda(fn, iters: int = 20) -> float:
+    """Median seconds of fn() over iters runs, timed with CUDA events after two warm-ups."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def decode_kernel(batch: int, bandwidth: float) -> dict:
+    H, Hkv, D, B = 16, 8, 128, 16
+    blocks_per_seq = CONTEXT // B
+    kv_bytes = 2 * batch * CONTEXT * Hkv * D * 2
+    copies = max(1, L2_FLUSH_BYTES // kv_bytes + 1)
+    sets = []
+    for _ in range(copies):
+        k = torch.randn(batch * blocks_per_seq, B, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32).view(batch, -1)
+        sets.append((q, k, v, tables))
+    lens = torch.full((batch,), CONTEXT, device="cuda", dtype=torch.int32)
+    calls = [0]
+
+    def call() -> None:  # a different copy each call, so nothing is served from L2
+        q, k, v, tables = sets[calls[0] % copies]
+        calls[0] += 1
+        paged_decode(q, k, v, tables, lens, D ** -0.5)
+
+    seconds = time_cuda(call, iters=50)
+    bytes_read = kv_bytes + 2 * batch * H * D * 2  # K + V + q + out
+    return {"batch": batch, "us": seconds * 1e6, "bytes": bytes_read, "TB/s": bytes_read / seconds / 1e12,
+            "fraction_of_bandwidth": bytes_read / seconds / bandwidth}
+
+
+def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
+    """Seconds of one decode step (inputs -> forward -> sample) for `batch` sequences of CONTEXT tokens."""
+    runner = llm.model_runner
+    B = llm.config.kvcache_block_size
+    seqs = []
+    for s in range(batch):
+        seq = Sequence(list(range(1, CONTEXT + 1)), SamplingParams(temperature=0), B)
+        seq.block_table = list(range(s * CONTEXT // B, (s + 1) * CONTEXT // B))
+        seqs.append(seq)
+    inputs = runner.prepare(Batch(seqs, [1] * batch, is_prefill=False))
+    runner.use_graphs = graphs
+    seconds = time_cuda(lambda: runner.sample(runner.forward(inputs), seqs), iters=30)
+    runner.use_graphs = True
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bandwidth", type=float, help="HBM bytes/s (default: by GPU name)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    name = torch.cuda.get_device_name()
+    bandwidth = args.bandwidth or next(bw for key, bw in HBM_BANDWIDTH if key in name)
+    result = {"gpu": name, "bandwidth": bandwidth, "kernel": [], "step": []}
+    for batch in (256, 32, 1):
+        r = decode_kernel(batch, bandwidth)
+        result["kernel"].append(r)
+        print(f"paged_decode batch {batch:3d}: {r['us']:8.1f} us  {r['TB/s']:.2f} TB/s  "
+              f"{100 * r['fraction_of_bandwidth']:.0f}% of {bandwidth / 1e12:.2f} TB/s", flush=True)
+    model_dir = resolve_model_dir(argparse.Namespace(model=None, tiny=False), cpu=False)
+    with LLM(model_dir, max_model_len=2048, num_kvcache_blocks=256 * CONTEXT // 16 + 64) as llm:
+        for batch in (1, 32, 256):
+            eager, graph = decode_step(llm, batch, False), decode_step(llm, batch, True)
+            result["step"].append({"batch": batch, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3})
+            print(f"decode step batch {batch:3d}: eager {eager * 1e3:7.2f} ms  graph {graph * 1e3:7.2f} ms  "
+                  f"({eager / graph:.1f}x)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    assert torch.cuda.is_available(), "bench_micro.py measures GPU kernels: run it on an NVIDIA GPU"
+    assert QWEN3_0_6B["head_dim"] == 128
+    main()
