@@ -256,23 +256,29 @@ class Attention(nn.Module):
 
 
 # ---- sampling --------------------------------------------------------------------------------------------
+@gpu_compiled
+def race_sample(logits: Tensor, temperatures: Tensor, noise: Tensor) -> Tensor:
+    """One draw per row from softmax(logits / T), argmax where T = 0. The exponential race: with E ~ Exp(1),
+    argmax(p / E) is a draw from p, with no host sync; and since softmax only rescales a row,
+    argmax(logits / T - log E) is the same draw without computing the softmax (one fused pass on the GPU)."""
+    scores = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1) - noise.log()  # (S, V)
+    return torch.where(temperatures == 0, logits.argmax(-1), scores.argmax(-1))  # (S,)
+
+
 class Sampler(nn.Module):
     """One token per row of logits, each row with its own temperature, top-k and top-p."""
 
     def forward(self, logits: Tensor, temperatures: Tensor, noise: Tensor | None,
                 top_ks: Tensor | None = None, top_ps: Tensor | None = None) -> Tensor:
-        # logits (S, V) float32; temperatures (S,); noise (S, V) ~ Exp(1), None when every row is greedy;
+        # logits (S, V); temperatures (S,); noise (S, V) float32 ~ Exp(1), None when every row is greedy;
         # top_ks (S,) int, 0 = off; top_ps (S,) float, 1 = off
-        greedy = logits.argmax(-1)  # (S,)
         if noise is None:
-            return greedy
-        logits = logits.div_(temperatures.clamp(min=1e-5).unsqueeze(1))  # in place: (S, V) is large
-        if top_ks is not None or top_ps is not None:
-            logits = self.mask_top_k_top_p(logits, top_ks, top_ps)
-        probs = logits.softmax(-1)
-        # argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race), with no host sync
-        sampled = probs.div_(noise).argmax(-1)
-        return torch.where(temperatures == 0, greedy, sampled)  # (S,)
+            return logits.argmax(-1)  # (S,)
+        if top_ks is None and top_ps is None:
+            return race_sample(logits, temperatures, noise)
+        scaled = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1)  # (S, V)
+        masked = self.mask_top_k_top_p(scaled, top_ks, top_ps)  # the top token always survives: greedy rows hold
+        return race_sample(masked, (temperatures > 0).float(), noise)  # already scaled: T = 1, or 0 for greedy
 
     @staticmethod
     def mask_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:

@@ -1,0 +1,44 @@
+"""The sampler alone: greedy rows, the exponential race draws from softmax(logits / T), top-k and top-p masks."""
+import torch
+
+from nanoserve.layers import Sampler
+
+ROWS = 20000
+LOGITS = torch.tensor([0.0, 1.0, 2.0, -1.0])
+
+
+def draw(temperature: float, **masks) -> torch.Tensor:
+    torch.manual_seed(0)
+    logits = LOGITS.repeat(ROWS, 1)  # (S, V): the same distribution in every row
+    temps = torch.full((ROWS,), temperature)
+    masks = {k: torch.full((ROWS,), v) for k, v in masks.items()}
+    out = Sampler()(logits, temps, torch.empty(logits.shape).exponential_(), **masks)
+    return torch.bincount(out, minlength=4) / ROWS  # empirical frequency of each token
+
+
+def test_race_matches_softmax_with_temperature():
+    for t in (0.5, 1.0, 2.0):
+        torch.testing.assert_close(draw(t), torch.softmax(LOGITS / t, -1), atol=0.015, rtol=0)
+
+
+def test_top_k_keeps_the_k_most_likely():
+    p = torch.softmax(LOGITS / 0.7, -1)
+    expected = torch.tensor([0.0, p[1], p[2], 0.0]) / (p[1] + p[2])
+    torch.testing.assert_close(draw(0.7, top_ks=2), expected, atol=0.015, rtol=0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    p = torch.softmax(LOGITS, -1)  # [0.087, 0.237, 0.644, 0.032]
+    assert draw(1.0, top_ps=0.5).tolist() == [0.0, 0.0, 1.0, 0.0]  # the top token alone reaches 0.5
+    kept = torch.tensor([0.0, p[1], p[2], 0.0]) / (p[1] + p[2])  # 0.644 < 0.8 <= 0.644 + 0.237
+    torch.testing.assert_close(draw(1.0, top_ps=0.8), kept, atol=0.015, rtol=0)
+
+
+def test_greedy_rows_ignore_noise_and_masks():
+    logits = torch.randn(8, 50)
+    temps = torch.tensor([0.0, 1.0] * 4)
+    noise = torch.empty(8, 50).exponential_()
+    for masks in ({}, {"top_ks": torch.full((8,), 3)}, {"top_ps": torch.full((8,), 0.9)}):
+        out = Sampler()(logits, temps, noise, **masks)
+        assert out[::2].tolist() == logits.argmax(-1)[::2].tolist()
+    assert Sampler()(logits, torch.zeros(8), None).tolist() == logits.argmax(-1).tolist()
