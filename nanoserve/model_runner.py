@@ -140,7 +140,11 @@ class ModelRunner:
         n = num_seqs * seq_len
         inputs = BatchInputs(True, np.zeros(n, np.int64), np.tile(np.arange(seq_len), num_seqs),
                              np.full(n, -1, np.int32), cu, cu)
-        self.forward(inputs)
+        logits = self.forward(inputs)
+        if self.rank == 0:  # compile the sampler now, for one row and for many, not during the first requests
+            for rows in (1, 2):
+                self.sampler(logits[:rows], torch.ones(rows, device=self.device),
+                             torch.ones(logits[:rows].shape, device=self.device))
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------------

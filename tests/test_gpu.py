@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 VOCAB = 8192
 MAX_TOKENS = 24
-LOGPROB_TOL = 0.3  # nats: bf16 rounding differs between the engines and grows over steps; a bug is far larger
+LOGPROB_TOL = 0.5  # nats: bf16 rounding differs between the engines and grows over steps; a bug costs several
+SAME_ENGINE_TOL = 0.15  # nanoserve against itself: only split counts, padding and chunking change the rounding
 SHAPES = {
     "qwen3": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB,
@@ -119,7 +120,7 @@ def test_cudagraph_decode_matches_eager(model_dir):
         with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, enforce_eager=eager) as llm:
             assert bool(getattr(llm.model_runner, "graphs", None)) == (not eager)
             results[eager] = record_logprobs(llm, prompt_list)
-    assert_logprobs_close(*results[False], *results[True], tol=0.05)  # same kernels; only the padding differs
+    assert_logprobs_close(*results[False], *results[True], tol=SAME_ENGINE_TOL)
 
 
 def test_prefix_hit_matches_no_hit(model_dir):
@@ -133,7 +134,7 @@ def test_prefix_hit_matches_no_hit(model_dir):
             results[caching] = record_logprobs(llm, shared[1:])
             hits = llm.scheduler.block_manager.stats["hit"]
         assert (hits >= 6 * 7) if caching else hits == 0
-    assert_logprobs_close(*results[True], *results[False], tol=0.05)
+    assert_logprobs_close(*results[True], *results[False], tol=SAME_ENGINE_TOL)
 
 
 def test_chunked_prefill_matches_whole(model_dir):
@@ -142,9 +143,27 @@ def test_chunked_prefill_matches_whole(model_dir):
     for budget in (16384, 64):
         with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, max_num_batched_tokens=budget) as llm:
             results[budget] = record_logprobs(llm, prompt_list)
-    assert_logprobs_close(*results[64], *results[16384], tol=0.05)
+    assert_logprobs_close(*results[64], *results[16384], tol=SAME_ENGINE_TOL)
 
 
 def test_kv_cache_too_small_names_missing_memory(model_dir):
     with pytest.raises(ValueError, match="GiB missing"):
         LLM(model_dir, gpu_memory_utilization=0.01, max_model_len=4096, max_num_batched_tokens=4096)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_matches_tp1_on_qwen3_0_6b_shapes(tmp_path):
+    """Qwen3-0.6B's full shapes (28 layers, 16 q / 8 KV heads, vocab 151936) with random weights, on two GPUs."""
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                      max_position_embeddings=4096, rope_theta=1e6, initializer_range=0.02,
+                      architectures=["Qwen3ForCausalLM"])
+    save_random_model(cfg, str(tmp_path))
+    prompt_list = prompts(n=8, seed=5)
+    results = {}
+    for tp in (1, 2):
+        with LLM(str(tmp_path), tensor_parallel_size=tp, num_kvcache_blocks=4096, max_model_len=1024) as llm:
+            results[tp] = record_logprobs(llm, prompt_list)
+    assert_logprobs_close(*results[2], *results[1], tol=SAME_ENGINE_TOL)
+    identical = sum(a == b for a, b in zip(results[2][0], results[1][0]))
+    print(f"TP=2 vs TP=1: {identical}/{len(prompt_list)} sequences token-identical over {MAX_TOKENS} tokens")
