@@ -320,12 +320,14 @@ def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return out
 
 
-def gather_kv(k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-              cu_seqlens_k: Tensor) -> tuple[Tensor, Tensor]:
-    """The first Lk_s cached tokens of each sequence s, packed (Nk, Hkv, D), for a prefill with prefix hits."""
+def gather_kv(k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_k: Tensor,
+              num_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """The first Lk_s cached tokens of each sequence s, packed (Nk, Hkv, D), for a prefill with prefix hits.
+    num_tokens = Nk = cu_seqlens_k[-1]; passing it from the host saves a device-to-host sync per layer."""
     _, B, Hkv, D = k_cache.shape
     assert block_tables.shape[0] == cu_seqlens_k.shape[0] - 1 and v_cache.shape == k_cache.shape
-    num_tokens = int(cu_seqlens_k[-1])  # host sync: prefill is eager, never graph-captured
+    if num_tokens is None:
+        num_tokens = int(cu_seqlens_k[-1])  # host sync: prefill is eager, never graph-captured
     token = torch.arange(num_tokens, dtype=cu_seqlens_k.dtype, device=k_cache.device)  # (Nk,)
     seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)  # (Nk,) the sequence of each packed token
     pos = (token - cu_seqlens_k[seq]).long()  # (Nk,) its position within that sequence

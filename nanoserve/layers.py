@@ -40,6 +40,7 @@ class ForwardContext:
     cu_seqlens_k: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's whole context
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    num_context_tokens: int = 0  # prefill: cu_seqlens_k[-1], known on the host (no sync to read it)
     prefix_hit: bool = False  # prefill: some context is already cached, so K/V are gathered from the cache
     context_lens: Tensor | None = None  # (S,) int32 decode: tokens in the cache per sequence
     block_tables: Tensor | None = None  # (S, max_blocks) int32: KV block ids of each sequence
@@ -246,7 +247,8 @@ class Attention(nn.Module):
             store(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             if ctx.prefix_hit:  # cached prefix tokens are not in k/v: read every context token from the cache
-                k, v = gather_kv(self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_k)  # (Nk, Hkv, D)
+                k, v = gather_kv(self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_k,
+                                 ctx.num_context_tokens)  # (Nk, Hkv, D)
             o = prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                   ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
         else:

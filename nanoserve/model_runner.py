@@ -206,7 +206,7 @@ class ModelRunner:
             cu_q, cu_k = inputs.cu_seqlens_q, inputs.cu_seqlens_k
             return ForwardContext(
                 True, d(inputs.slot_mapping), d(cu_q), d(cu_k), int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
-                prefix_hit=inputs.block_tables is not None, block_tables=d(inputs.block_tables),
+                num_context_tokens=int(cu_k[-1]), prefix_hit=inputs.block_tables is not None, block_tables=d(inputs.block_tables),
                 logits_indices=d(cu_q[1:].astype(np.int64) - 1))
         return ForwardContext(False, d(inputs.slot_mapping), context_lens=d(inputs.context_lens),
                               block_tables=d(inputs.block_tables))

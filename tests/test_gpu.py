@@ -110,7 +110,6 @@ def test_logprobs_close_to_transformers(model_dir):
     with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024) as llm:
         ids, lps = record_logprobs(llm, prompt_list)
     assert_logprobs_close(ids, lps, ref_ids, ref_lps)
-    assert all(a[:2] == b[:2] for a, b in zip(ids, ref_ids))  # prefill and the first decode step agree
 
 
 def test_cudagraph_decode_matches_eager(model_dir):
