@@ -8,6 +8,7 @@ engine stays usable), the progress bar and trace, and the tensor-parallel worker
 Invariant: after generate() returns or raises, no sequence of that call is left in the scheduler.
 """
 import atexit
+import os
 import logging
 import multiprocessing as mp
 import queue
@@ -47,7 +48,9 @@ def worker_main(config: Config, rank: int, shm_name: str, wakeup, port: int, err
         runner.shutdown()
     except BaseException:  # report any failure to rank 0 instead of dying silently
         errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise SystemExit(1)
+        errors.close()
+        errors.join_thread()  # the report is in the pipe now
+        os._exit(1)  # skip atexit hooks (torch.compile's worker pool can block there): rank 0 sees us die
 
 
 class LLMEngine:
