@@ -1,5 +1,6 @@
-"""LLMEngine (alias LLM): the public entry point. Tokenizes and validates requests, drives the
-schedule -> run -> postprocess loop, and returns outputs in prompt order.
+"""LLMEngine (alias LLM): the public entry point, which drives schedule -> run -> postprocess.
+
+It tokenizes and validates requests, loops until they finish, and returns outputs in prompt order.
 
 Owns: the tokenizer, the request validation (bad input raises before anything is scheduled, and the
 engine stays usable), the progress bar and trace, and the tensor-parallel worker processes
