@@ -16,6 +16,7 @@ import queue
 import socket
 import time
 import traceback
+from dataclasses import fields
 from multiprocessing.shared_memory import SharedMemory
 from uuid import uuid4
 
@@ -56,6 +57,10 @@ def worker_main(config: Config, rank: int, shm_name: str, wakeup, port: int, err
 
 class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - {f.name for f in fields(Config)}
+        if unknown:
+            raise ValueError(f"unknown LLM settings {sorted(unknown)}; the settings are the fields of "
+                             f"nanoserve.config.Config: {[f.name for f in fields(Config)]}")
         self.config = Config(model or default_model_dir(), **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self.workers: list[mp.Process] = []

@@ -196,3 +196,8 @@ def test_request_of_exactly_max_model_len_runs(llm, reference):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0]["token_ids"]) == 4 and out[0]["finish_reason"] == "length"
     assert_engine_idle(llm)
+
+
+def test_unknown_setting_is_named():
+    with pytest.raises(ValueError, match="max_num_seq"):
+        LLM("/nonexistent", max_num_seq=4)
