@@ -263,24 +263,24 @@ def _paged_decode_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
 
 def paged_decode_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
                      scale: float) -> Tensor:
-    """Plain-torch paged decode, vectorized over sequences (CPU path and test oracle; syncs once)."""
+    """Plain-torch paged decode, one sequence at a time (CPU path and test oracle; syncs once).
+    Reads exactly the context_len slots of each sequence, so garbage elsewhere in the cache never matters."""
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     assert H % Hkv == 0 and block_tables.shape[0] == S and context_lens.shape == (S,)
-    max_len = int(context_lens.max()) if S > 0 else 0  # host sync: fine on CPU, never graph-captured
-    pos = torch.arange(max_len, device=q.device)  # (T,) token positions
-    valid = pos[None, :] < context_lens[:, None]  # (S, T)
-    block_id = block_tables[:, pos // B].long()  # (S, T); entries past a sequence may be garbage ...
-    slot = torch.where(valid, block_id * B + pos % B, 0)  # ... so masked positions read slot 0 instead
-    hide = ~valid[:, :, None, None]  # zero what masked positions read: a cache slot may hold NaN garbage
-    k = k_cache.view(-1, Hkv, D)[slot].float().masked_fill(hide, 0.0)  # (S, T, Hkv, D)
-    v = v_cache.view(-1, Hkv, D)[slot].float().masked_fill(hide, 0.0)
-    qg = q.float().reshape(S, Hkv, H // Hkv, D)  # (S, Hkv, GROUP, D) query heads grouped by KV head
-    scores = torch.einsum("skgd,stkd->skgt", qg, k) * scale  # (S, Hkv, GROUP, T)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # context_len 0: all -inf -> NaN -> zeros
-    out = torch.einsum("skgt,stkd->skgd", probs, v)  # (S, Hkv, GROUP, D)
-    return out.reshape(S, H, D).to(q.dtype)
+    k_slots, v_slots = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # (num_blocks * B, Hkv, D)
+    out = torch.zeros_like(q)  # (S, H, D); a context_len of 0 (a padded graph row) attends to nothing
+    for s, n in enumerate(context_lens.tolist()):  # host sync: fine on CPU, never graph-captured
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)  # (n,) token positions
+        slot = block_tables[s, pos // B].long() * B + pos % B  # (n,) slot = block_id * B + offset
+        k = k_slots[slot].float().permute(1, 2, 0)  # (Hkv, D, n)
+        v = v_slots[slot].float().transpose(0, 1)  # (Hkv, n, D)
+        qg = q[s].float().view(Hkv, H // Hkv, D)  # (Hkv, GROUP, D): query heads grouped by their KV head
+        probs = torch.softmax(torch.bmm(qg, k) * scale, dim=-1)  # (Hkv, GROUP, n)
+        out[s] = torch.bmm(probs, v).view(H, D).to(q.dtype)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -104,3 +104,16 @@ def test_second_engine_in_one_process_is_refused(tiny_qwen3):
     with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2):
         with pytest.raises(RuntimeError, match="another process"):
             LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2)
+
+
+def test_worker_error_reaches_rank0(tiny_qwen3):
+    """A worker that raises (here: asked for a method it lacks) exits, and rank 0 raises its traceback."""
+    llm = LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2)
+    try:
+        llm.model_runner.call("no_such_method")
+        llm.workers[0].join(timeout=30)  # the worker reports and exits at once
+        with pytest.raises(RuntimeError, match="(?s)rank 1.*no_such_method"):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not llm.workers
