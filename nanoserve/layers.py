@@ -31,7 +31,7 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 
 # ---- forward context ---------------------------------------------------------------------------------
-@dataclass
+@dataclass(kw_only=True)
 class ForwardContext:
     """Batch layout for one forward pass. Read by Attention (all fields) and ParallelLMHead (logits_indices)."""
     is_prefill: bool

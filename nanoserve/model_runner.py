@@ -34,7 +34,7 @@ SHM_BYTES = 1 << 24  # shared-memory segment for rank 0 -> worker calls: 16 MiB 
 DIST_TIMEOUT_SECONDS = 120  # a collective waiting longer than this for a silent peer raises
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BatchInputs:
     """A batch as host arrays: what every rank needs for one forward pass (built on rank 0)."""
     is_prefill: bool
@@ -138,8 +138,9 @@ class ModelRunner:
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
         cu = np.arange(num_seqs + 1, dtype=np.int32) * seq_len
         n = num_seqs * seq_len
-        inputs = BatchInputs(True, np.zeros(n, np.int64), np.tile(np.arange(seq_len), num_seqs),
-                             np.full(n, -1, np.int32), cu, cu)
+        inputs = BatchInputs(is_prefill=True, input_ids=np.zeros(n, np.int64),
+                             positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(n, -1, np.int32),
+                             cu_seqlens_q=cu, cu_seqlens_k=cu)
         logits = self.forward(inputs)
         if self.rank == 0:  # compile the sampler now, for one row and for many, not during the first requests
             for rows in (1, 2):
@@ -162,16 +163,18 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + num_new)
             cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
         prefix_hit = cu_k[-1] > cu_q[-1]
-        return BatchInputs(True, np.array(input_ids, np.int64), np.array(positions, np.int64),
-                           np.array(slot_mapping, np.int32), np.array(cu_q, np.int32), np.array(cu_k, np.int32),
+        return BatchInputs(is_prefill=True, input_ids=np.array(input_ids, np.int64),
+                           positions=np.array(positions, np.int64), slot_mapping=np.array(slot_mapping, np.int32),
+                           cu_seqlens_q=np.array(cu_q, np.int32), cu_seqlens_k=np.array(cu_k, np.int32),
                            block_tables=self.block_tables(batch.seqs) if prefix_hit else None)
 
     def prepare_decode(self, seqs: list[Sequence]) -> BatchInputs:
         # each sequence computes its newest token, at position num_tokens - 1
         positions = np.array([seq.num_tokens - 1 for seq in seqs], np.int64)
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], np.int64)
-        return BatchInputs(False, np.array([seq.token_ids[-1] for seq in seqs], np.int64), positions,
-                           (last_blocks * self.block_size + positions % self.block_size).astype(np.int32),
+        return BatchInputs(is_prefill=False, input_ids=np.array([seq.token_ids[-1] for seq in seqs], np.int64),
+                           positions=positions,
+                           slot_mapping=(last_blocks * self.block_size + positions % self.block_size).astype(np.int32),
                            context_lens=(positions + 1).astype(np.int32), block_tables=self.block_tables(seqs))
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
@@ -205,11 +208,12 @@ class ModelRunner:
         if inputs.is_prefill:
             cu_q, cu_k = inputs.cu_seqlens_q, inputs.cu_seqlens_k
             return ForwardContext(
-                True, d(inputs.slot_mapping), d(cu_q), d(cu_k), int(np.diff(cu_q).max()), int(np.diff(cu_k).max()),
-                num_context_tokens=int(cu_k[-1]), prefix_hit=inputs.block_tables is not None, block_tables=d(inputs.block_tables),
-                logits_indices=d(cu_q[1:].astype(np.int64) - 1))
-        return ForwardContext(False, d(inputs.slot_mapping), context_lens=d(inputs.context_lens),
-                              block_tables=d(inputs.block_tables))
+                is_prefill=True, slot_mapping=d(inputs.slot_mapping), cu_seqlens_q=d(cu_q), cu_seqlens_k=d(cu_k),
+                max_seqlen_q=int(np.diff(cu_q).max()), max_seqlen_k=int(np.diff(cu_k).max()),
+                num_context_tokens=int(cu_k[-1]), prefix_hit=inputs.block_tables is not None,
+                block_tables=d(inputs.block_tables), logits_indices=d(cu_q[1:].astype(np.int64) - 1))
+        return ForwardContext(is_prefill=False, slot_mapping=d(inputs.slot_mapping),
+                              context_lens=d(inputs.context_lens), block_tables=d(inputs.block_tables))
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -230,7 +234,7 @@ class ModelRunner:
         for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_bs]):  # largest first: others reuse its pool
             graph = torch.cuda.CUDAGraph()
             b = {name: buf[:bs] for name, buf in self.graph_buffers.items()}
-            ctx = ForwardContext(False, b["slot_mapping"], context_lens=b["context_lens"],
+            ctx = ForwardContext(is_prefill=False, slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
                                  block_tables=b["block_tables"])
             with forward_context(ctx):
                 b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up outside the graph
