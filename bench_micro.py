@@ -18,7 +18,6 @@ import torch
 from bench import HBM_BANDWIDTH, QWEN3_0_6B, resolve_model_dir
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import paged_decode
-from nanoserve.model_runner import BatchInputs
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 

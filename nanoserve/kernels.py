@@ -11,7 +11,6 @@ D head dim, B block size (tokens per KV block). KV cache: (num_blocks, B, Hkv, D
 """
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F

@@ -170,8 +170,8 @@ class LLMEngine:
                 s.block_manager.free(seq)
 
     # ---- the whole loop -----------------------------------------------------------------------------
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True) -> list[dict]:
         """Generate for every prompt; outputs in prompt order: {"text", "token_ids", "finish_reason"}."""
         if self.model_runner is None:
             raise RuntimeError("this engine was shut down: create a new LLM")

@@ -58,8 +58,9 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, shm_name: str | None = None, wakeups: list[Semaphore] | None = None,
-                 port: int | None = None, check_workers: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: Config, rank: int = 0, shm_name: str | None = None,
+                 wakeups: list[Semaphore] | None = None, port: int | None = None,
+                 check_workers: Callable[[], None] | None = None) -> None:
         self.config, self.rank = config, rank
         self.world_size = config.tensor_parallel_size
         self.check_workers = check_workers or (lambda: None)

