@@ -27,7 +27,7 @@ def tiny_qwen3(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny_qwen3"))
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=1001, max_position_embeddings=512,
+                      num_key_value_heads=2, head_dim=16, vocab_size=1001, max_position_embeddings=4096,
                       tie_word_embeddings=False, initializer_range=0.2)
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -56,14 +56,14 @@ def test_tp3_matches_tp1_on_default_model():
 
 
 def test_killed_worker_raises_and_cleans_up(tiny_qwen3):
-    llm = LLM(tiny_qwen3, max_model_len=512, tensor_parallel_size=2)
+    llm = LLM(tiny_qwen3, max_model_len=4096, tensor_parallel_size=2)
     shm_path = f"/dev/shm/{llm.shm.name}"
     assert os.path.exists(shm_path)
     worker = llm.workers[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 .* exited with code -9"):
-        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=490, ignore_eos=True), use_tqdm=False)
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 30  # seconds, not a collective's timeout
     llm.shutdown()
     assert not os.path.exists(shm_path)
