@@ -20,8 +20,6 @@ from dataclasses import fields
 from multiprocessing.shared_memory import SharedMemory
 from uuid import uuid4
 
-import torch
-import torch._inductor.config
 import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
@@ -47,7 +45,9 @@ def free_port() -> int:
 def worker_main(config: Config, rank: int, shm_name: str, wakeup, port: int, errors: mp.Queue) -> None:
     """Entry point of TP ranks 1..N-1: build the same model shard, then serve rank 0's calls."""
     # a daemon process may not start children, and torch.compile's parallel compile pool is one:
-    # compile in this process instead (pytorch/pytorch#97992, #115366: failures and hangs at exit)
+    # compile in this process instead (pytorch/pytorch#97992, #115366: failures and hangs at exit).
+    # Imported here, not at the top: it costs ~2 s, and only workers need it.
+    import torch._inductor.config
     torch._inductor.config.compile_threads = 1
     try:
         runner = ModelRunner(config, rank, shm_name, [wakeup], port)
