@@ -148,16 +148,20 @@ class LLMEngine:
         """Schedule one batch, run it, record its tokens; return the sequences that finished."""
         batch = self.scheduler.schedule()
         if self.config.trace:
-            stats_before = dict(self.scheduler.block_manager.stats, preempted=self.scheduler.num_preemptions)
+            stats_before = self._counters()
         token_ids = self.model_runner.run(batch)
         finished = self.scheduler.postprocess(batch, token_ids)
         if self.config.trace:
             self._trace(batch, stats_before, len(finished))
         return finished, batch
 
+    def _counters(self) -> dict[str, int]:
+        """Running counts of blocks allocated, freed and hit, and of preemptions; the trace prints their deltas."""
+        return dict(self.scheduler.block_manager.stats, preempted=self.scheduler.num_preemptions)
+
     def _trace(self, batch: Batch, before: dict[str, int], num_finished: int) -> None:
         bm = self.scheduler.block_manager
-        now = dict(bm.stats, preempted=self.scheduler.num_preemptions)
+        now = self._counters()
         delta = {k: now[k] - before[k] for k in before}
         logger.info("%-7s seqs=%-3d tokens=%-5d blocks: +%d allocated -%d freed %d hit | preempted=%d "
                     "finished=%d free=%d/%d", "prefill" if batch.is_prefill else "decode", len(batch.seqs),
