@@ -12,6 +12,7 @@ import atexit
 import os
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import queue
 import socket
 import time
@@ -98,8 +99,14 @@ class LLMEngine:
             self.workers.append(proc)
         return ModelRunner(self.config, 0, self.shm.name, wakeups, port, self.check_workers)
 
-    def check_workers(self) -> None:
-        """Raise a RuntimeError carrying the workers' errors if any worker died (rank 0 calls it each step)."""
+    def check_workers(self, wait_seconds: float = 0.0) -> None:
+        """Raise a RuntimeError carrying the workers' errors if any worker died (rank 0 calls it each step).
+        wait_seconds: after a broken collective a peer is dying but may not be reaped yet, so wait for it."""
+        if wait_seconds:
+            exited = mp.connection.wait([p.sentinel for p in self.workers], timeout=wait_seconds)
+            for p in self.workers:
+                if p.sentinel in exited:
+                    p.join(WORKER_JOIN_SECONDS)  # the sentinel closes just before the exit can be reaped
         dead = [(rank, p) for rank, p in enumerate(self.workers, start=1) if not p.is_alive()]
         if not dead:
             return

@@ -32,6 +32,7 @@ GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch size
 CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on the CPU when num_kvcache_blocks is not given: 1 GiB
 SHM_BYTES = 1 << 24  # shared-memory segment for rank 0 -> worker calls: 16 MiB of pickled arguments
 DIST_TIMEOUT_SECONDS = 120  # a collective waiting longer than this for a silent peer raises
+PEER_EXIT_WAIT_SECONDS = 5  # after a collective fails, how long to wait for the dead worker to be reaped
 
 
 @dataclass(kw_only=True)
@@ -60,10 +61,10 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, shm_name: str | None = None,
                  wakeups: list[Semaphore] | None = None, port: int | None = None,
-                 check_workers: Callable[[], None] | None = None) -> None:
+                 check_workers: Callable[[float], None] | None = None) -> None:
         self.config, self.rank = config, rank
         self.world_size = config.tensor_parallel_size
-        self.check_workers = check_workers or (lambda: None)
+        self.check_workers = check_workers or (lambda wait_seconds=0.0: None)
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
@@ -285,7 +286,7 @@ class ModelRunner:
             logits = self.forward(inputs)
             return self.sample(logits, batch.seqs)
         except RuntimeError:
-            self.check_workers()  # a collective broken by a dead worker: raise the worker's own error
+            self.check_workers(PEER_EXIT_WAIT_SECONDS)  # a collective broken by a dying worker: raise its error
             raise
 
     # ---- tensor-parallel plumbing -----------------------------------------------------------------

@@ -21,5 +21,6 @@ def test_every_module_opens_with_a_docstring():
 def test_counting_skips_comments_and_docstrings():
     sys.path.insert(0, str(ROOT / "tools"))
     from loc import count_code_lines
-    source = '"""doc\nstring"""\n# comment\nx = 1  # trailing\n\ndef f():\n    """doc"""\n    return (1,\n            2)\n'
+    source = ('"""doc\nstring"""\n# comment\nx = 1  # trailing\n\n'
+              'def f():\n    """doc"""\n    return (1,\n            2)\n')
     assert count_code_lines(source) == 4  # x = 1, def f, and the two lines of the return

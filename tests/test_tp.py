@@ -62,10 +62,12 @@ def test_killed_worker_raises_and_cleans_up(tiny_qwen3):
     worker = llm.workers[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 1 .* exited with code -9"):
-        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - start < 30  # seconds, not a collective's timeout
-    llm.shutdown()
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 .* exited with code -9"):
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - start < 30  # seconds, not a collective's timeout
+    finally:
+        llm.shutdown()  # also when the assertion fails: the next tests need this process's group gone
     assert not os.path.exists(shm_path)
     assert not worker.is_alive() and not llm.workers
     with pytest.raises(RuntimeError, match="shut down"):
