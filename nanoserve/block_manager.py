@@ -4,8 +4,11 @@ Owns: the pool of `num_blocks` KV blocks, their reference counts and the prefix-
 (hash of a full block -> block id). Does not own: the K/V tensors (model_runner) or scheduling.
 The prefix cache: a full block's hash chains its predecessor's hash, so equal hashes mean equal
 prefixes; a hit also compares the token ids, so a hash collision can never serve wrong K/V.
-A block is registered only once its K/V are computed (`hash_computed_blocks`), and a freed block
-keeps its hash and stays hittable until it is handed out again (least recently freed first).
+A full block is registered (`register_blocks`) in the step that computes its K/V, at scheduling time:
+a later prompt of the same prefill batch then hits it, since every layer stores the whole batch's K/V
+before any attention reads the cache. A freed block keeps its hash and stays hittable until it is
+handed out again (least recently freed first); a block registered but never computed (its step
+failed) is dropped from the index when freed.
 Invariant: a block is either in use (ref_count > 0) or in `free_block_ids`, never both.
 Called by: the scheduler.
 """
@@ -94,21 +97,28 @@ class BlockManager:
         block_id = next(iter(self.free_block_ids))
         del self.free_block_ids[block_id]
         block = self.blocks[block_id]
-        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
-        block.ref_count, block.hash, block.token_ids = 1, NO_HASH, []
+        self._unregister(block)
+        block.ref_count = 1
         self.stats["allocated"] += 1
         return block_id
 
+    def _unregister(self, block: Block) -> None:
+        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids = NO_HASH, []
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; blocks nobody uses go back to the pool but keep their hash (still hittable)."""
+        num_computed_blocks = seq.num_computed_tokens // self.block_size
         # last block first: a sequence's tail is the least likely prefix of anyone else, so it is evicted first
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
+        for i in reversed(range(len(seq.block_table))):
+            block = self.blocks[seq.block_table[i]]
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+                if i >= num_computed_blocks:  # registered for a step that never finished: no valid K/V
+                    self._unregister(block)
+                self.free_block_ids[block.block_id] = None
                 self.stats["freed"] += 1
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
@@ -122,12 +132,12 @@ class BlockManager:
         while len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_fresh())
 
-    # ---- prefix cache: register blocks whose K/V were just computed ------------------------------
-    def hash_computed_blocks(self, seq: Sequence) -> None:
-        """Register every full block of seq whose K/V are now in the cache."""
+    # ---- prefix cache: register the blocks a step computes -----------------------------------------
+    def register_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register every full block among seq's first num_tokens tokens (computed, or computed this step)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else NO_HASH

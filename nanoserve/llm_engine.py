@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanoserve.config import Config, SamplingParams
-from nanoserve.model_runner import SHM_BYTES, ModelRunner
+from nanoserve.model_runner import SHM_BYTES, ModelRunner, StepOutput
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.weights import default_model_dir
@@ -79,6 +79,9 @@ class LLMEngine:
             self.shutdown()
             raise
         self.scheduler = Scheduler(self.config, self._eos_token_ids())
+        # TP workers never see the sampled tokens, so only a single rank schedules steps ahead
+        self.overlap = self.config.overlap_scheduling and self.config.tensor_parallel_size == 1
+        self.ahead: tuple[Batch, StepOutput] | None = None  # a step launched before the previous one's tokens
 
     def _start_ranks(self) -> ModelRunner:
         """Start workers for ranks 1..N-1 (spawn), then rank 0's runner here; all join one process group."""
@@ -152,12 +155,21 @@ class LLMEngine:
         return seq
 
     def step(self) -> tuple[list[Sequence], Batch]:
-        """Schedule one batch, run it, record its tokens; return the sequences that finished."""
-        batch = self.scheduler.schedule()
+        """Run one batch and record its tokens; return the sequences that finished, and the batch.
+
+        Overlap: while a decode step runs on the GPU, the next one is scheduled, prepared and launched
+        (scheduler.schedule_ahead), and only then does the host wait for this step's tokens. So the GPU
+        never idles on the host between decode steps."""
+        if self.ahead is not None:
+            (batch, out), self.ahead = self.ahead, None
+        else:
+            batch = self.scheduler.schedule()
+            out = self.model_runner.run(batch)
         if self.config.trace:
             stats_before = self._counters()
-        token_ids = self.model_runner.run(batch)
-        finished = self.scheduler.postprocess(batch, token_ids)
+        if self.overlap and (nxt := self.scheduler.schedule_ahead(batch)) is not None:
+            self.ahead = (nxt, self.model_runner.run(nxt, prev=(batch, out)))
+        finished = self.scheduler.postprocess(batch, out.tolist())
         if self.config.trace:
             self._trace(batch, stats_before, len(finished))
         return finished, batch
@@ -213,16 +225,22 @@ class LLMEngine:
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         tok_s = {"prefill": 0.0, "decode": 0.0}
         pending = set(seq.seq_id for seq in seqs)
-        while pending:
-            t = time.perf_counter()
-            finished, batch = self.step()
-            kind = "prefill" if batch.is_prefill else "decode"
-            tok_s[kind] = sum(batch.num_new_tokens) / max(time.perf_counter() - t, 1e-9)
-            bar.set_postfix_str(f"prefill {tok_s['prefill']:,.0f} tok/s, decode {tok_s['decode']:,.0f} tok/s",
-                                refresh=False)
-            pending -= {seq.seq_id for seq in finished}
-            bar.update(len(finished))
-        bar.close()
+        try:
+            while pending:
+                t = time.perf_counter()
+                finished, batch = self.step()
+                kind = "prefill" if batch.is_prefill else "decode"
+                tok_s[kind] = sum(batch.num_new_tokens) / max(time.perf_counter() - t, 1e-9)
+                bar.set_postfix_str(f"prefill {tok_s['prefill']:,.0f} tok/s, decode {tok_s['decode']:,.0f} tok/s",
+                                    refresh=False)
+                pending -= {seq.seq_id for seq in finished}
+                bar.update(len(finished))
+            if self.ahead is not None:  # a step launched for sequences that turned out finished (EOS)
+                (batch, out), self.ahead = self.ahead, None
+                self.scheduler.postprocess(batch, out.tolist())
+        finally:
+            self.ahead = None  # after a failure, generate() aborts the sequences it held
+            bar.close()
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -46,6 +46,22 @@ class BatchInputs:
     cu_seqlens_k: np.ndarray | None = None  # (S+1,) int32, prefill
     context_lens: np.ndarray | None = None  # (S,) int32, decode
     block_tables: np.ndarray | None = None  # (S, max_blocks) int32: decode, and prefill with a prefix hit
+    prev_rows: np.ndarray | None = None  # (S,) int64, a step scheduled ahead: row of each input token in the
+    # previous step's samples, which are still on the device (input_ids holds placeholders then)
+
+
+@dataclass
+class StepOutput:
+    """One step's sampled tokens: kept on the device (the next step may read them there) and copied,
+    without blocking, to the host; tolist() waits for that copy only."""
+    token_ids: Tensor  # (S,) int64 on the device
+    host: Tensor  # (S,) int64 on the host, pinned on CUDA
+    copied: torch.cuda.Event | None = None  # recorded after the copy; None on CPU (already there)
+
+    def tolist(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
 
 
 def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -193,16 +209,23 @@ class ModelRunner:
             return None
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
+    def _input_ids(self, inputs: BatchInputs) -> Tensor:
+        if inputs.prev_rows is None:
+            return self._to_device(inputs.input_ids)
+        return self.prev_token_ids[self._to_device(inputs.prev_rows)]  # gathered on the device: no sync
+
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs) -> Tensor | None:
         """Run the model on one batch; return logits (S, V) on rank 0, None on other ranks."""
-        input_ids, positions = self._to_device(inputs.input_ids), self._to_device(inputs.positions)
-        ctx = self._forward_context(inputs)
+        input_ids = self._input_ids(inputs)
+        if not inputs.is_prefill and self.use_graphs and len(inputs.positions) <= self.max_graph_batch:
+            hidden = self.replay_cudagraph(inputs, input_ids)
+            ctx = ForwardContext(is_prefill=False, slot_mapping=self.graph_buffers["slot_mapping"])
+        else:
+            ctx = self._forward_context(inputs)
+            with forward_context(ctx):
+                hidden = self.model(input_ids, self._to_device(inputs.positions))  # (N, hidden)
         with forward_context(ctx):
-            if not inputs.is_prefill and self.use_graphs and len(inputs.input_ids) <= self.max_graph_batch:
-                hidden = self.replay_cudagraph(inputs)
-            else:
-                hidden = self.model(input_ids, positions)  # (N, hidden)
             return self.model.compute_logits(hidden)
 
     def _forward_context(self, inputs: BatchInputs) -> ForwardContext:
@@ -246,11 +269,12 @@ class ModelRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def replay_cudagraph(self, inputs: BatchInputs) -> Tensor:
-        bs = len(inputs.input_ids)
+    def replay_cudagraph(self, inputs: BatchInputs, input_ids: Tensor) -> Tensor:
+        bs = len(inputs.positions)
         graph_bs = min(b for b in self.graphs if b >= bs)  # the smallest captured batch that fits
         buf = self.graph_buffers
-        for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
+        buf["input_ids"][:bs].copy_(input_ids)
+        for name in ("positions", "slot_mapping", "context_lens"):
             buf[name][:bs].copy_(torch.from_numpy(getattr(inputs, name)), non_blocking=True)
         buf["slot_mapping"][bs:graph_bs].fill_(-1)  # padded rows write nowhere...
         buf["context_lens"][bs:graph_bs].zero_()  # ...and attend to nothing
@@ -260,7 +284,7 @@ class ModelRunner:
         return buf["hidden"][:bs]
 
     # ---- sampling (rank 0) --------------------------------------------------------------------------
-    def sample(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
+    def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params = [seq.params for seq in seqs]
         d = self.device
         temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=d)
@@ -274,17 +298,32 @@ class ModelRunner:
         top_ks = torch.tensor([p.top_k for p in params], device=d) if any(p.top_k for p in params) else None
         top_ps = (torch.tensor([p.top_p for p in params], dtype=torch.float32, device=d)
                   if any(p.top_p < 1 for p in params) else None)
-        return self.sampler(logits, temperatures, noise, top_ks, top_ps).tolist()
+        token_ids = self.sampler(logits, temperatures, noise, top_ks, top_ps)  # (S,) int64
+        if d.type == "cpu":
+            return StepOutput(token_ids, token_ids)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return StepOutput(token_ids, host, copied)
 
-    def run(self, batch: Batch) -> list[int]:
-        """One engine step on rank 0: every rank runs the forward pass, rank 0 samples."""
+    def run(self, batch: Batch, prev: tuple[Batch, StepOutput] | None = None) -> StepOutput:
+        """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns without
+        waiting for the GPU. prev: the step before, when this one was scheduled before its tokens were known."""
         inputs = self.prepare(batch)
+        if prev is not None:
+            rows = {seq.seq_id: i for i, seq in enumerate(prev[0].seqs)}
+            inputs.prev_rows = np.array([rows[seq.seq_id] for seq in batch.seqs], np.int64)
+            self.prev_token_ids = prev[1].token_ids
         if self.world_size > 1:
+            assert prev is None, "the workers never see the sampled tokens: no steps scheduled ahead with TP"
             self.check_workers()
             self.call("forward", inputs)
         try:
-            logits = self.forward(inputs)
-            return self.sample(logits, batch.seqs)
+            out = self.sample(self.forward(inputs), batch.seqs)
+            if self.world_size > 1:
+                out.tolist()  # wait here, where a collective broken by a dying worker is recognised
+            return out
         except RuntimeError:
             self.check_workers(PEER_EXIT_WAIT_SECONDS)  # a collective broken by a dying worker: raise its error
             raise

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config
-from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.sequence import PENDING, Sequence, SequenceStatus
 
 
 @dataclass
@@ -59,6 +59,8 @@ class Scheduler:
             if not seq.block_table and not self.block_manager.allocate(seq):
                 break  # not enough free blocks: wait for running sequences to finish
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # registered now, not after the step: later prompts of this batch reuse these blocks at once
+            self.block_manager.register_blocks(seq, seq.num_computed_tokens + num_new)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -86,6 +88,24 @@ class Scheduler:
         self.running.extendleft(reversed(batch.seqs))  # keep arrival order: oldest first
         return batch
 
+    def schedule_ahead(self, batch: Batch) -> Batch | None:
+        """The decode step after `batch`, scheduled while `batch` still runs on the GPU, so the host prepares
+        it meanwhile. batch's tokens are unknown yet: each sequence that goes on gets a PENDING token, which
+        postprocess(batch) fills in (the GPU reads the real one directly). A sequence that samples EOS is
+        found one step late, and that step's token is dropped. Only the plain case is scheduled ahead: a
+        decode with no prompt waiting and free blocks for everyone; otherwise None (the engine waits)."""
+        if batch.is_prefill or self.waiting:
+            return None
+        seqs = [seq for seq in batch.seqs if not seq.is_finished and seq.num_output_tokens + 1 < seq.params.max_tokens]
+        bs = self.block_manager.block_size
+        new_blocks = sum(-(-(seq.num_tokens + 1) // bs) - len(seq.block_table) for seq in seqs)
+        if not seqs or new_blocks > self.block_manager.num_free_blocks:
+            return None
+        for seq in seqs:
+            seq.append_token(PENDING)
+            self.block_manager.append_slot(seq)
+        return Batch(seqs, [1] * len(seqs), is_prefill=False)
+
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -96,11 +116,16 @@ class Scheduler:
         """Record the step's progress and sampled tokens; return the sequences that finished."""
         finished = []
         for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, token_ids):
+            if seq.is_finished:
+                continue  # it finished in the step before this one, which was scheduled ahead of knowing
             seq.num_computed_tokens += num_new
-            self.block_manager.hash_computed_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            self.block_manager.register_blocks(seq, seq.num_computed_tokens)
+            if seq.token_ids[-1] == PENDING:  # the next step already runs with this token
+                seq.token_ids[-1] = token_id
+            elif seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(token_id)
+            else:
                 continue  # a prefill chunk: no token is sampled until the whole prompt is in the cache
-            seq.append_token(token_id)
             seq.finish_reason = self._finish_reason(seq, token_id)
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED

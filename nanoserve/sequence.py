@@ -12,6 +12,9 @@ from itertools import count
 from nanoserve.config import SamplingParams
 
 
+PENDING = -1  # token id placeholder: sampled by a step still running on the GPU (scheduler.schedule_ahead)
+
+
 class SequenceStatus(Enum):
     WAITING = auto()  # in the waiting queue: not started, preempted, or part-way through a chunked prefill
     RUNNING = auto()  # prompt fully computed; gets one token per decode step

@@ -22,7 +22,7 @@ def make_seq(token_ids: list[int], **params) -> Sequence:
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
     """Pretend the model wrote K/V for the first num_tokens tokens (default: all), as postprocess does."""
     seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
-    bm.hash_computed_blocks(seq)
+    bm.register_blocks(seq, seq.num_computed_tokens)
 
 
 def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
@@ -351,3 +351,16 @@ def test_random_workload_frees_every_block(enable_prefix_caching):
         bm.free(seq)
     check_invariants(bm, [])
     assert bm.num_free_blocks == 24 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_block_registered_for_a_step_that_never_ran_is_dropped_on_free():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(list(range(9)))
+    assert bm.allocate(a)
+    bm.register_blocks(a, 9)  # as the scheduler does when it schedules a's prefill
+    assert len(bm.hash_to_block_id) == 2
+    compute(bm, a, num_tokens=4)  # the step failed after the first block's K/V were known to be in place
+    bm.free(a)  # (a is aborted)
+    assert len(bm.hash_to_block_id) == 1  # the never-computed second block is no longer hittable
+    b = make_seq(list(range(9)))
+    assert bm.allocate(b) and b.num_cached_tokens == 4

@@ -49,8 +49,10 @@ def hf_outputs(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     return outs
 
 
-def test_greedy_matches_transformers(model_dir, prompts, hf_outputs):
-    with LLM(model_dir) as llm:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_matches_transformers(model_dir, prompts, hf_outputs, overlap):
+    # overlap: decode steps scheduled ahead of the previous step's tokens, so EOS is seen one step late
+    with LLM(model_dir, overlap_scheduling=overlap) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == hf_outputs
     for o, ref in zip(outs, hf_outputs):

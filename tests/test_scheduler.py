@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from nanoserve.config import Config, SamplingParams
 from nanoserve.scheduler import Batch, Scheduler
-from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.sequence import PENDING, Sequence, SequenceStatus
 
 BS = 4  # tokens per KV block (allowed on the CPU)
 EOS = 999
@@ -295,10 +295,13 @@ def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: i
     assert set(bm.free_block_ids) == {i for i, r in enumerate(refs) if r == 0}
 
 
-@pytest.mark.parametrize("seed, enable_prefix_caching", [(0, True), (1, True), (2, False)])
-def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_caching):
+@pytest.mark.parametrize("seed, enable_prefix_caching, overlap", [(0, True, False), (1, True, False),
+                                                                  (2, False, False), (3, True, True),
+                                                                  (4, False, True)])
+def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_caching, overlap):
     """Many sequences, a tiny cache, chunking, preemption and random tokens: every sequence finishes
-    with the right tokens and every block ends free."""
+    with the right tokens and every block ends free. overlap: drive it as LLMEngine.step does, each
+    decode step scheduled ahead of its predecessor's tokens (sampled at launch, known one step later)."""
     rng = random.Random(seed)
     budget, max_num_seqs, num_blocks, max_model_len = 16, 4, 10, 40
     sched = make_scheduler(model_dir, num_kvcache_blocks=num_blocks, max_model_len=max_model_len,
@@ -315,23 +318,32 @@ def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_cachin
                                 stop_token_ids=(rng.randrange(40),) if rng.random() < 0.2 else ())
         seqs.append(Sequence(tokens, params, BS))
     pending, added = list(seqs), []
-    num_steps = num_chunks = 0
+    num_steps = num_chunks = num_ahead = 0
     seen_preemption = False
-    while pending or not sched.is_finished():
+    ahead = None  # (batch, its tokens): a step launched before the previous step's tokens were known
+    while pending or not sched.is_finished() or ahead:
         for _ in range(rng.randint(0, 3)):  # requests keep arriving during the run
             if pending:
                 added.append(pending.pop(0))
                 sched.add(added[-1])
-        if sched.is_finished():
+        if sched.is_finished() and not ahead:
             continue
         num_steps += 1
         assert num_steps < 5000, "the scheduler made no progress"
-        batch = sched.schedule()
-        check_state(sched, added, batch, budget, max_num_seqs)
+        if ahead:
+            (batch, tokens), ahead = ahead, None
+        else:
+            batch = sched.schedule()
+            check_state(sched, added, batch, budget, max_num_seqs)
+            tokens = [fake_token(s) for s in batch.seqs]  # what the GPU samples, at launch
         seen_preemption |= any(s.num_output_tokens and not s.block_table for s in sched.waiting)
         num_chunks += sum(s.num_computed_tokens + n < s.num_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
-        sched.postprocess(batch, [fake_token(s) for s in batch.seqs])
+        if overlap and (nxt := sched.schedule_ahead(batch)):
+            check_state(sched, added, nxt, budget, max_num_seqs)
+            ahead, num_ahead = (nxt, [fake_token(s) for s in nxt.seqs]), num_ahead + 1
+        sched.postprocess(batch, tokens)
     assert num_chunks > 0 and seen_preemption  # the workload really exercised both
+    assert (num_ahead > 0) == overlap
     for seq in seqs:
         p = seq.params
         assert seq.status == SequenceStatus.FINISHED and 1 <= seq.num_output_tokens <= p.max_tokens
@@ -345,3 +357,46 @@ def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_cachin
         if seq.finish_reason == "length":
             assert seq.num_output_tokens == p.max_tokens
     assert all_blocks_free(sched)
+
+
+def test_schedule_ahead_fills_placeholders_and_drops_the_token_after_eos(model_dir):
+    sched = make_scheduler(model_dir)
+    a, b = make_seq(prompt(6), max_tokens=10), make_seq(prompt(6, 50), max_tokens=2)
+    for seq in (a, b):
+        sched.add(seq)
+    prefill, _ = step(sched)
+    assert sched.schedule_ahead(prefill) is None  # only a decode step is scheduled ahead
+    decode = sched.schedule()
+    ahead = sched.schedule_ahead(decode)  # b reaches max_tokens in `decode`: it does not go on
+    assert ahead.seqs == [a] and a.token_ids[-1] == PENDING and a.num_tokens == 8
+    assert len(a.block_table) == 2  # a block for the pending token's K/V (position 7)
+    assert sched.postprocess(decode, [EOS, 5]) == [a, b]  # a samples EOS: found now, one step late
+    assert a.token_ids[-2:] == [7, EOS] and a.finish_reason == "stop" and b.output_token_ids == [7, 5]
+    assert sched.postprocess(ahead, [8]) == [] and a.output_token_ids == [7, EOS]  # the extra token is dropped
+    assert all_blocks_free(sched) and sched.is_finished()
+
+
+def test_nothing_is_scheduled_ahead_while_prompts_wait_or_blocks_run_short(model_dir):
+    sched = make_scheduler(model_dir, num_kvcache_blocks=4, max_model_len=16)
+    a, b = make_seq(prompt(8), max_tokens=8), make_seq(prompt(3, 50), max_tokens=8)
+    for seq in (a, b):
+        sched.add(seq)
+    step(sched)  # a: 9 tokens, b: 4 tokens
+    decode = sched.schedule()  # a takes the last free block for its 9th token
+    sched.add(make_seq(prompt(4, 100)))
+    assert sched.schedule_ahead(decode) is None  # a prompt waits: the next step may be its prefill
+    sched.waiting.clear()
+    assert sched.block_manager.num_free_blocks == 0
+    assert sched.schedule_ahead(decode) is None  # b's 5th token would need a fifth block
+    assert PENDING not in a.token_ids + b.token_ids
+
+
+def test_later_prompt_of_the_same_prefill_batch_reuses_the_shared_prefix(model_dir):
+    sched = make_scheduler(model_dir)
+    shared = prompt(8, 300)
+    a, b = make_seq(shared + [1, 2]), make_seq(shared + [3])
+    for seq in (a, b):
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [10, 1]  # b computes only its own token
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8

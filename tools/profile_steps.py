@@ -1,0 +1,162 @@
+"""profile_steps.py: where the time of a bench workload goes, step by step (a developer tool, GPU).
+
+For every engine step it records the host time of each phase (schedule, prepare, launch, wait for the
+sampled tokens, postprocess) and the GPU time between two CUDA events around forward + sampling. It
+prints the totals by step kind and decode batch size, then a torch.profiler kernel table of a few
+decode steps at batch 256 and at batch 32.
+
+    python tools/profile_steps.py [--workload w1|w2] [--no-prefix-caching] [--json out.json]
+"""
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import QWEN3_0_6B, QWEN3_TINY, TEMPERATURE, build_random_qwen3, make_w1, make_w2  # noqa: E402
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.model_runner import StepOutput  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+BUCKETS = [(192, "decode b>=192"), (64, "decode b 64-191"), (16, "decode b 16-63"), (1, "decode b<16")]
+
+
+def bucket(batch) -> str:
+    if batch.is_prefill:
+        return "prefill"
+    return next(name for lo, name in BUCKETS if len(batch.seqs) >= lo)
+
+
+def instrument(llm: LLM) -> list[dict]:
+    """Wrap the engine's step phases with timers; returns the list each step appends its record to.
+    A step's GPU time runs from the launch of its forward to the end of its sampling (CUDA events); with
+    overlap the next step is prepared and launched inside this step's call, and its host time counts here."""
+    runner, sched, records = llm.model_runner, llm.scheduler, []
+    current: dict = {}
+    events: dict[int, tuple] = {}  # id(batch) -> (start, end) CUDA events of its GPU work
+
+    def timed(obj, name, key):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            current[key] = current.get(key, 0.0) + time.perf_counter() - t
+            return out
+        setattr(obj, name, wrapper)
+        return wrapper
+
+    forward, run = runner.forward, runner.run
+
+    def forward_with_event(inputs):
+        if CUDA:
+            current["launch"] = torch.cuda.Event(enable_timing=True)
+            current["launch"].record()
+        return forward(inputs)
+
+    def run_with_events(batch, prev=None):
+        out = run(batch, prev)
+        if CUDA:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            events[id(batch)] = (current.pop("launch"), end)
+        return out
+
+    runner.forward, runner.run = forward_with_event, run_with_events
+    timed(runner, "prepare", "prepare")
+    timed(runner, "run", "run")
+    timed(sched, "schedule", "schedule")
+    timed(sched, "schedule_ahead", "schedule")
+    timed(sched, "postprocess", "postprocess")
+    timed(StepOutput, "tolist", "wait")
+    step = llm.step
+
+    def step_wrapper():
+        current.clear()
+        t = time.perf_counter()
+        finished, batch = step()
+        current["wall"] = time.perf_counter() - t
+        if CUDA:
+            start, end = events.pop(id(batch))
+            end.synchronize()
+            current["gpu"] = start.elapsed_time(end) / 1e3
+        records.append({"kind": bucket(batch), "seqs": len(batch.seqs), "tokens": sum(batch.num_new_tokens),
+                        **{k: v for k, v in current.items() if k != "launch"}})
+        return finished, batch
+    llm.step = step_wrapper
+    return records
+
+
+def summarize(records: list[dict], total_s: float) -> dict:
+    keys = ["wall", "gpu", "schedule", "run", "prepare", "wait", "postprocess"]
+    groups: dict = defaultdict(lambda: defaultdict(float))
+    for r in records:
+        g = groups[r["kind"]]
+        g["steps"] += 1
+        g["tokens"] += r["tokens"]
+        for k in keys:
+            g[k] += r.get(k, 0.0)
+    print(f"\nwall {total_s:.3f} s over {len(records)} steps; seconds per group. gpu: CUDA event time from "
+          "forward launch to end of sampling; run: host time launching (prepare included); wait: host "
+          "waiting for sampled tokens")
+    print(f"{'group':18} {'steps':>6} {'tokens':>8} " + " ".join(f"{k:>11}" for k in keys))
+    for name, g in groups.items():
+        print(f"{name:18} {int(g['steps']):6d} {int(g['tokens']):8d} " + " ".join(f"{g[k]:11.3f}" for k in keys))
+    return {name: dict(g) for name, g in groups.items()}
+
+
+def kernel_table(llm: LLM, batch: int, context: int) -> str:
+    """torch.profiler over 8 decode steps of `batch` sequences with `context` tokens each."""
+    prompts = [[(i * 7 + j) % 10000 for j in range(context)] for i in range(batch)]
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=12, ignore_eos=True)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.scheduler.waiting:  # the prefills, outside the profile
+        llm.step()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(8):
+            llm.step()
+        torch.cuda.synchronize()
+    while not llm.scheduler.is_finished():
+        llm.step()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", default="w1")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-overlap", action="store_true", help="overlap_scheduling=False")
+    p.add_argument("--kernels", action="store_true", help="also print the torch.profiler kernel tables")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if CUDA:
+        model_dir = build_random_qwen3(Path.home() / ".cache/nanoserve/qwen3-0.6b-random", QWEN3_0_6B, "cuda")
+        wl = make_w1() if args.workload == "w1" else make_w2()
+    else:  # a smoke test of this script on the CPU
+        model_dir = build_random_qwen3(Path.home() / ".cache/nanoserve/qwen3-tiny-random", QWEN3_TINY, "cpu")
+        wl = make_w1(8, 16, 64, 8, 32) if args.workload == "w1" else make_w2(8, 64, 8, 16, 16)
+    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    with LLM(model_dir, max_model_len=4096, enable_prefix_caching=not args.no_prefix_caching,
+             overlap_scheduling=not args.no_overlap) as llm:
+        llm.generate([list(range(1, 17))], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+        records = instrument(llm)
+        t = time.perf_counter()
+        llm.generate(wl.prompts, params, use_tqdm=False)
+        total = time.perf_counter() - t
+        print(f"{args.workload}: {wl.output_tokens / total:,.0f} tokens/s (instrumented: timers)")
+        summary = summarize(records, total)
+        if args.kernels and CUDA:
+            for b, ctx in ((256, 600), (32, 1500)):
+                print(f"\nkernels of 8 decode steps, batch {b}, context {ctx}\n" + kernel_table(llm, b, ctx))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"total_s": total, "groups": summary, "steps": records}))
+
+
+if __name__ == "__main__":
+    main()
