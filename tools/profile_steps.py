@@ -109,20 +109,21 @@ def summarize(records: list[dict], total_s: float) -> dict:
     return {name: dict(g) for name, g in groups.items()}
 
 
-def kernel_table(llm: LLM, batch: int, context: int) -> str:
-    """torch.profiler over 8 decode steps of `batch` sequences with `context` tokens each."""
-    prompts = [[(i * 7 + j) % 10000 for j in range(context)] for i in range(batch)]
+def kernel_table(llm: LLM, batch: int, context: int, prefill: bool = False) -> str:
+    """torch.profiler over the prefill steps, or over 8 decode steps, of `batch` prompts of `context` tokens."""
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=12, ignore_eos=True)
-    for prompt in prompts:
-        llm.add_request(prompt, params)
-    while llm.scheduler.waiting:  # the prefills, outside the profile
+    for i in range(batch):
+        llm.add_request([(i * 7 + j) % 10000 + i for j in range(context)], params)
+    while llm.scheduler.waiting and not prefill:  # the prefills, outside the profile
         llm.step()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(8):
+            if prefill and not llm.scheduler.waiting:
+                break
             llm.step()
         torch.cuda.synchronize()
-    while not llm.scheduler.is_finished():
+    while not llm.scheduler.is_finished() or llm.ahead:
         llm.step()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
 
@@ -154,6 +155,7 @@ def main() -> None:
         if args.kernels and CUDA:
             for b, ctx in ((256, 600), (32, 1500)):
                 print(f"\nkernels of 8 decode steps, batch {b}, context {ctx}\n" + kernel_table(llm, b, ctx))
+            print("\nkernels of the prefill steps of 32 prompts of 1000 tokens\n" + kernel_table(llm, 32, 1000, True))
     if args.json:
         Path(args.json).write_text(json.dumps({"total_s": total, "groups": summary, "steps": records}))
 
