@@ -204,10 +204,18 @@ class ModelRunner:
         return np.array(flat, np.int32).reshape(len(seqs), width)  # (S, max_blocks), -1 past each table's end
 
     # ---- device side: arrays -> logits (every rank) -------------------------------------------------
+    def _pinned(self, array: np.ndarray) -> Tensor:
+        """array as a tensor in pinned host memory on CUDA. A copy to the GPU from pinned memory is queued
+        and returns at once; one from ordinary (pageable) memory first waits for every queued GPU kernel,
+        which would stall the host until the running step ends. (Torch keeps a pinned block alive until
+        its copy has run, so the next step cannot overwrite it early.)"""
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory() if self.device.type == "cuda" else tensor
+
     def _to_device(self, array: np.ndarray | None) -> Tensor | None:
         if array is None:
             return None
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return self._pinned(array).to(self.device, non_blocking=True)
 
     def _input_ids(self, inputs: BatchInputs) -> Tensor:
         if inputs.prev_rows is None:
@@ -275,11 +283,11 @@ class ModelRunner:
         buf = self.graph_buffers
         buf["input_ids"][:bs].copy_(input_ids)
         for name in ("positions", "slot_mapping", "context_lens"):
-            buf[name][:bs].copy_(torch.from_numpy(getattr(inputs, name)), non_blocking=True)
+            buf[name][:bs].copy_(self._pinned(getattr(inputs, name)), non_blocking=True)
         buf["slot_mapping"][bs:graph_bs].fill_(-1)  # padded rows write nowhere...
         buf["context_lens"][bs:graph_bs].zero_()  # ...and attend to nothing
         width = inputs.block_tables.shape[1]
-        buf["block_tables"][:bs, :width].copy_(torch.from_numpy(inputs.block_tables), non_blocking=True)
+        buf["block_tables"][:bs, :width].copy_(self._pinned(inputs.block_tables), non_blocking=True)
         self.graphs[graph_bs].replay()
         return buf["hidden"][:bs]
 
@@ -287,7 +295,7 @@ class ModelRunner:
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params = [seq.params for seq in seqs]
         d = self.device
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=d)
+        temperatures = self._to_device(np.array([p.temperature for p in params], np.float32))
         noise = None
         if any(p.temperature > 0 for p in params):
             noise = torch.empty(logits.shape, dtype=torch.float32, device=d).exponential_()  # (S, V) ~ Exp(1)
@@ -295,8 +303,8 @@ class ModelRunner:
                 if seq.params.seed is not None:  # seeded: noise depends only on the seed and the position
                     gen = torch.Generator(d).manual_seed(seq.params.seed * 1_000_003 + seq.num_tokens)
                     noise[i].exponential_(generator=gen)
-        top_ks = torch.tensor([p.top_k for p in params], device=d) if any(p.top_k for p in params) else None
-        top_ps = (torch.tensor([p.top_p for p in params], dtype=torch.float32, device=d)
+        top_ks = self._to_device(np.array([p.top_k for p in params])) if any(p.top_k for p in params) else None
+        top_ps = (self._to_device(np.array([p.top_p for p in params], np.float32))
                   if any(p.top_p < 1 for p in params) else None)
         token_ids = self.sampler(logits, temperatures, noise, top_ks, top_ps)  # (S,) int64
         if d.type == "cpu":
