@@ -128,12 +128,41 @@ def kernel_table(llm: LLM, batch: int, context: int, prefill: bool = False) -> s
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
 
 
+def prefill_timing(llm: LLM, num_seqs: int = 16, prompt_len: int = 1024) -> None:
+    """Time single prefill steps of random prompts: host time to launch vs GPU time; then their kernels."""
+    rng = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=1, ignore_eos=True)
+
+    def one_step():
+        for _ in range(num_seqs):
+            llm.add_request(torch.randint(0, 10000, (prompt_len,), generator=rng).tolist(), params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch = llm.scheduler.schedule()
+        t1 = time.perf_counter()
+        out = llm.model_runner.run(batch)
+        t2 = time.perf_counter()
+        out.tolist()
+        t3 = time.perf_counter()
+        llm.scheduler.postprocess(batch, out.tolist())
+        return t1 - t0, t2 - t1, t3 - t1, sum(batch.num_new_tokens)
+    for _ in range(3):
+        sched, launch, total, tokens = one_step()
+        print(f"prefill step of {tokens} tokens: schedule {sched * 1e3:.1f} ms, prepare+launch {launch * 1e3:.1f} ms, "
+              f"launch to tokens {total * 1e3:.1f} ms")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        one_step()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workload", default="w1")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-overlap", action="store_true", help="overlap_scheduling=False")
     p.add_argument("--kernels", action="store_true", help="also print the torch.profiler kernel tables")
+    p.add_argument("--prefill", action="store_true", help="only time and profile single prefill steps")
     p.add_argument("--json")
     args = p.parse_args()
     if CUDA:
@@ -146,6 +175,8 @@ def main() -> None:
     with LLM(model_dir, max_model_len=4096, enable_prefix_caching=not args.no_prefix_caching,
              overlap_scheduling=not args.no_overlap) as llm:
         llm.generate([list(range(1, 17))], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+        if args.prefill:
+            return prefill_timing(llm) if CUDA else None
         records = instrument(llm)
         t = time.perf_counter()
         llm.generate(wl.prompts, params, use_tqdm=False)
