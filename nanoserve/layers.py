@@ -107,12 +107,22 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-@gpu_compiled
 def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
     """Rotate each (x1, x2) half-pair of x (N, heads, D) by its position's angle; cos_sin (N, D) float32."""
     cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
     x1, x2 = x.float().chunk(2, dim=-1)  # (N, heads, D/2) each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+@gpu_compiled
+def norm_and_rotate(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, q_weight: Tensor | None,
+                    k_weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-head RMSNorm of q (N, H, D) and k (N, Hkv, D) when weights are given (Qwen3), then rotary
+    embedding at each token's position: on the GPU two fused kernels instead of five."""
+    if q_weight is not None:
+        q, k = _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps)
+    cs = cos_sin[positions]  # (N, D)
+    return apply_rotary(q, cs), apply_rotary(k, cs)
 
 
 class RotaryEmbedding(nn.Module):
@@ -123,10 +133,6 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)  # (P, D)
-
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        cos_sin = self.cos_sin[positions]  # (N, D)
-        return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
 
 
 @gpu_compiled
