@@ -59,6 +59,31 @@ def make_paged_kv(context_lens: list[int], B: int, Hkv: int, D: int, dtype: torc
     return k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device), context_lens_t
 
 
+def make_cascade_kv(num_common: int, own_lens: list[int], B: int, Hkv: int, D: int, dtype: torch.dtype,
+                    device: str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences that share their first num_common blocks (the same physical ids, as prefix caching makes
+    them), then own_lens[s] tokens each in their own shuffled blocks. Slots past a sequence's end, unused
+    blocks and block-table columns past the end are garbage (NaN, -1, a huge id), as in make_paged_kv."""
+    gen = torch.Generator().manual_seed(seed)
+    own_blocks = [math.ceil(n / B) for n in own_lens]
+    num_blocks, max_blocks = num_common + sum(own_blocks) + 2, num_common + max(own_blocks) + 2
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)  # shared blocks first, then own ones
+    k_cache = torch.randn(num_blocks, B, Hkv, D, generator=gen)  # (num_blocks, B, Hkv, D)
+    v_cache = torch.randn(num_blocks, B, Hkv, D, generator=gen)
+    block_tables = torch.full((len(own_lens), max_blocks), -1, dtype=torch.int32)  # (S, max_blocks)
+    block_tables[:, max_blocks - 1] = 10**7
+    block_tables[:, :num_common] = ids[:num_common]  # every sequence points at the same prefix blocks
+    first = num_common
+    for s, (n, nb) in enumerate(zip(own_lens, own_blocks)):
+        block_tables[s, num_common:num_common + nb] = ids[first:first + nb]
+        if n % B:  # the ragged tail of the last block is garbage
+            k_cache[ids[first + nb - 1], n % B:] = v_cache[ids[first + nb - 1], n % B:] = float("nan")
+        first += nb
+    k_cache[ids[first:].long()] = v_cache[ids[first:].long()] = float("nan")  # blocks nobody owns
+    context_lens = torch.tensor([num_common * B + n for n in own_lens], dtype=torch.int32, device=device)
+    return k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device), context_lens
+
+
 # ------------------------------------------------------------------------------------------------------
 # CPU: Triton kernels under the interpreter vs references
 # ------------------------------------------------------------------------------------------------------
@@ -120,6 +145,47 @@ def test_paged_decode_fp16_interpreted() -> None:
     k_cache, v_cache, block_tables, ctx = make_paged_kv([5, 37], 16, 2, 64, torch.float16)
     q = torch.randn(2, 4, 64, dtype=torch.float16)
     out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.125, num_splits=2)
+    assert out.dtype == torch.float16
+    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125)
+    torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
+
+
+# num_common 3: the whole shared prefix = all full blocks of the shortest sequence (0 own tokens).
+# num_splits 1: the own kernel folds the prefix partials in; None (2 splits on the interpreter's 8 "SMs"):
+# the merge kernel combines them all.
+@interpreted
+@pytest.mark.parametrize("group, Hkv, D", [(1, 2, 64), (2, 2, 128), (4, 1, 64)])
+@pytest.mark.parametrize("num_common", [0, 2, 3])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_paged_decode_cascade_interpreted(group: int, Hkv: int, D: int, num_common: int,
+                                          num_splits: int | None) -> None:
+    """A shared prefix passed as num_common_blocks: same result as plain paged decode, for any P that is
+    shared (P = 0 too), with several prefix splits (some idle) and a padded row (context_len 0)."""
+    B, own_lens = 16, [0, 5, 16, 2 * 16 + 3, 37, 1]  # own tokens after 3 shared blocks; last row is padding
+    k_cache, v_cache, block_tables, ctx = make_cascade_kv(3, own_lens, B, Hkv, D, torch.float32)
+    ctx[-1] = 0  # a padded CUDA-graph row: no prefix, no tokens
+    q = torch.randn(len(own_lens), group * Hkv, D)  # (S, H, D)
+    P = torch.tensor([num_common], dtype=torch.int32)
+    out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits, num_common_blocks=P)
+    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits)
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[-1] == 0)  # context_len 0: zeros, not the prefix's attention or NaN
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 2])  # the own kernel folds the prefix partials in / the merge does
+def test_paged_decode_cascade_row_tiles_interpreted(num_splits: int) -> None:
+    """Small row tiles: several per KV head, rows of one sequence's group split across two tiles, a last
+    tile with padded rows; every prefix split has work (4 blocks, 2 splits); fp16 in and out."""
+    B, group, Hkv, D = 16, 3, 2, 64
+    k_cache, v_cache, block_tables, ctx = make_cascade_kv(4, [7, 16, 1, 30, 9, 3, 20], B, Hkv, D, torch.float16)
+    q = torch.randn(7, group * Hkv, D, dtype=torch.float16)  # 7 x 3 = 21 rows per KV head: tiles of 16, 5
+    P = torch.tensor([4], dtype=torch.int32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "CASCADE_ROWS", 16)
+        out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.125, num_splits, num_common_blocks=P)
     assert out.dtype == torch.float16
     ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125)
     torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
@@ -303,3 +369,48 @@ def test_decode_cuda_graph_gpu() -> None:
         torch.testing.assert_close(v_graph, v_cache, **exact)
         ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
         torch.testing.assert_close(eager, ref, **TOL[torch.bfloat16])
+
+
+def make_cascade_decode(S: int, num_common: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple:
+    """The workload cascade attention is for, with Qwen3-0.6B heads (16 q / 8 kv, D 128), B 16: S sequences
+    share a num_common-block prompt and have 32-250 own tokens each."""
+    H, Hkv, D, B = 16, 8, 128, 16
+    own_lens = torch.randint(32, 251, (S,), generator=torch.Generator().manual_seed(seed)).tolist()
+    k_cache, v_cache, block_tables, ctx = make_cascade_kv(num_common, own_lens, B, Hkv, D, dtype, "cuda", seed)
+    q = torch.randn(S, H, D, dtype=dtype, device="cuda")  # (S, H, D)
+    return q, k_cache, v_cache, block_tables, ctx, D**-0.5
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@gpu
+@requires_cuda
+def test_paged_decode_cascade_gpu(num_splits: int | None) -> None:
+    args = make_cascade_decode(256, 64)
+    P = torch.tensor([64], dtype=torch.int32, device="cuda")
+    out = kernels.paged_decode(*args, num_splits=num_splits, num_common_blocks=P)
+    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), **TOL[torch.bfloat16])
+
+
+@gpu
+@requires_cuda
+def test_paged_decode_cascade_cuda_graph_gpu() -> None:
+    """Captured once with P = 64, replayed with P = 0 and 32 (and a padded row): the grid never depends on P."""
+    q, k_cache, v_cache, block_tables, ctx, scale = make_cascade_decode(256, 64)
+    ctx[-1] = 0  # a padded CUDA-graph row
+    P = torch.tensor([64], dtype=torch.int32, device="cuda")
+
+    def decode() -> torch.Tensor:
+        return kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, scale, num_common_blocks=P)
+
+    decode()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = decode()
+    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, scale)
+    for num_common in (64, 0, 32):
+        P.fill_(num_common)
+        graph_out.zero_()
+        graph.replay()
+        assert torch.equal(graph_out, decode())  # the same kernels with the same P: bit-identical
+        torch.testing.assert_close(graph_out, ref, **TOL[torch.bfloat16])
+        assert torch.all(graph_out[-1] == 0)
