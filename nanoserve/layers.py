@@ -44,6 +44,7 @@ class ForwardContext:
     prefix_hit: bool = False  # prefill: some context is already cached, so K/V are gathered from the cache
     context_lens: Tensor | None = None  # (S,) int32 decode: tokens in the cache per sequence
     block_tables: Tensor | None = None  # (S, max_blocks) int32: KV block ids of each sequence
+    num_common_blocks: Tensor | None = None  # (1,) int32 decode: leading blocks every sequence shares (cascade)
     logits_indices: Tensor | None = None  # (S,) prefill: the last new token of each sequence
 
 
@@ -258,8 +259,11 @@ class Attention(nn.Module):
             o = prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                   ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
         else:
-            decode = paged_decode if q.is_cuda else paged_decode_ref
-            o = decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+            if q.is_cuda:
+                o = paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                                 num_common_blocks=ctx.num_common_blocks)
+            else:
+                o = paged_decode_ref(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)  # (N, H * D)
 
 

@@ -124,7 +124,7 @@ def test_cudagraph_decode_matches_eager(model_dir):
 
 def test_prefix_hit_matches_no_hit(model_dir):
     system = prompts(n=1, seed=2)[0][:5] * 20  # 100 shared tokens: 6 full blocks of 16
-    tails = prompts(n=8, seed=3)
+    tails = prompts(n=41, seed=3)  # 40 sequences decode together after the first: cascade attention (>= 32)
     shared = [system + t[:40] for t in tails]
     results = {}
     for caching in (True, False):
@@ -132,7 +132,7 @@ def test_prefix_hit_matches_no_hit(model_dir):
             record_logprobs(llm, shared[:1])  # computes and caches the shared prefix
             results[caching] = record_logprobs(llm, shared[1:])
             hits = llm.scheduler.block_manager.stats["hit"]
-        assert (hits >= 6 * 7) if caching else hits == 0
+        assert (hits >= 6 * 40) if caching else hits == 0
     assert_logprobs_close(*results[True], *results[False], tol=SAME_ENGINE_TOL)
 
 

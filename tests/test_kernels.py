@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -414,3 +415,12 @@ def test_paged_decode_cascade_cuda_graph_gpu() -> None:
         assert torch.equal(graph_out, decode())  # the same kernels with the same P: bit-identical
         torch.testing.assert_close(graph_out, ref, **TOL[torch.bfloat16])
         assert torch.all(graph_out[-1] == 0)
+
+
+def test_common_prefix_blocks_counts_full_shared_leading_blocks():
+    from nanoserve.model_runner import common_prefix_blocks
+    tables = np.array([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, -1]], np.int32)  # -1 pads a shorter table
+    assert common_prefix_blocks(tables, np.array([64, 60, 40], np.int32), 16) == 2  # column 2 differs
+    assert common_prefix_blocks(tables[:2], np.array([64, 60], np.int32), 16) == 3
+    assert common_prefix_blocks(tables[:2], np.array([64, 47], np.int32), 16) == 2  # block 2 not full in row 1
+    assert common_prefix_blocks(tables[:2], np.array([64, 15], np.int32), 16) == 0
