@@ -7,7 +7,6 @@ known after the model runner has measured free memory and is filled in once.
 Called by: llm_engine (builds both), scheduler, block_manager and model_runner (read them).
 """
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +47,6 @@ class Config:
         self.torch_dtype = self._resolve_dtype()
         self._check_sizes()
         self.trace = self.trace or os.environ.get("NANOSERVE_TRACE", "0") not in ("", "0")
-        if self.device == "cuda" and self.tensor_parallel_size > 1 and not self.enforce_eager:
-            # measured on 2 x H200: TP=2 eager generates correctly, TP=2 with CUDA graphs hung (cause not found yet)
-            warnings.warn("tensor_parallel_size > 1 on GPUs runs without CUDA graphs (enforce_eager=True)")
-            self.enforce_eager = True
 
     def _resolve_dtype(self) -> torch.dtype:
         names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
