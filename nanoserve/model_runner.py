@@ -382,11 +382,15 @@ class ModelRunner:
             self.call("exit")
         if self.shm is not None:
             self.shm.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # drop every GPU tensor now, so a next engine in this process finds the memory free
+        # drop every GPU tensor now, so a next engine in this process finds the memory free. The CUDA graphs
+        # go before the process group: they hold its NCCL all-reduces, and destroying it under them hung
+        # both ranks (measured on 2 x H200).
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         self.graphs, self.graph_buffers = {}, {}
         del self.model, self.kv_cache
         gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
