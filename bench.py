@@ -342,6 +342,9 @@ def collect_cb(mgr, request_ids: set[str]) -> dict[str, int]:
 def run_hf_cb(model_dir: str, wl: Workload, args: argparse.Namespace, device: str) -> tuple[float, str]:
     model = load_hf_model(model_dir, cb_attn_implementation(), device)
     mgr = init_cb_manager(model, wl)
+    if hasattr(mgr, "warmup"):   # 5.17: generate_batch warms the manager up before start(), so we do too
+        mgr.warmup()
+    log(f"  hf-cb settings: {getattr(mgr, 'continuous_batching_config', 'n/a')}")
     mgr.start()
     try:
         mgr.add_request(WARMUP_PROMPT, request_id="warmup", max_new_tokens=16)  # also allocates the cache

@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 VOCAB = 8192
 MAX_TOKENS = 24
 LOGPROB_TOL = 0.5  # nats: bf16 rounding differs between the engines and grows over steps; a bug costs several
-SAME_ENGINE_TOL = 0.15  # nanoserve against itself: only split counts, padding and chunking change the rounding
+# nanoserve against itself: split counts, padding, chunking, TP reductions and cascade attention change only
+# the bf16 rounding; measured up to 0.151 (cascade vs plain decode, 40 sequences, the qwen3 shape below)
+SAME_ENGINE_TOL = 0.25
 SHAPES = {
     "qwen3": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB,
