@@ -417,7 +417,8 @@ def hardware_info(cpu: bool) -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        # "-dirty" when the working tree differs from that commit: the figures are not that commit's
+        info["commit"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                                         cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pass

@@ -160,13 +160,13 @@ class LLMEngine:
         Overlap: while a decode step runs on the GPU, the next one is scheduled, prepared and launched
         (scheduler.schedule_ahead), and only then does the host wait for this step's tokens. So the GPU
         never idles on the host between decode steps."""
+        if self.config.trace:  # block counts of this call: with overlap, those of the step scheduled ahead too
+            stats_before = self._counters()
         if self.ahead is not None:
             (batch, out), self.ahead = self.ahead, None
         else:
             batch = self.scheduler.schedule()
             out = self.model_runner.run(batch)
-        if self.config.trace:
-            stats_before = self._counters()
         if self.overlap and (nxt := self.scheduler.schedule_ahead(batch)) is not None:
             self.ahead = (nxt, self.model_runner.run(nxt, prev=(batch, out)))
         finished = self.scheduler.postprocess(batch, out.tolist())
