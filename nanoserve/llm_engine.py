@@ -239,7 +239,9 @@ class LLMEngine:
                 (batch, out), self.ahead = self.ahead, None
                 self.scheduler.postprocess(batch, out.tolist())
         finally:
-            self.ahead = None  # after a failure, generate() aborts the sequences it held
+            if self.ahead is not None:  # a failure: generate() aborts its sequences; others drop the step
+                self.scheduler.cancel_ahead(self.ahead[0])
+                self.ahead = None
             bar.close()
 
     # ---- lifetime -----------------------------------------------------------------------------------

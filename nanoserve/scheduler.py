@@ -106,6 +106,13 @@ class Scheduler:
             self.block_manager.append_slot(seq)
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
+    def cancel_ahead(self, batch: Batch) -> None:
+        """Forget a step scheduled ahead that will never be postprocessed (its predecessor failed): drop the
+        PENDING tokens. A sequence keeps its blocks; whatever its lost steps computed is computed again."""
+        for seq in batch.seqs:
+            if seq.token_ids[-1] == PENDING:
+                seq.token_ids.pop()
+
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -118,3 +118,24 @@ def test_text_prompts_and_trace(model_dir, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("prefill") for line in lines) and any(line.startswith("decode") for line in lines)
     assert all("free=" in line for line in lines)
+
+
+def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_outputs):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(model_dir) as llm:
+        run, calls = llm.model_runner.run, []
+
+        def failing_run(batch, prev=None):  # the 4th launch fails: a decode step scheduled ahead
+            calls.append(prev is not None)
+            if len(calls) == 4:
+                raise RuntimeError("simulated failure")
+            return run(batch, prev)
+        llm.model_runner.run = failing_run
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            llm.generate(prompts[:2], params, use_tqdm=False)
+        assert calls[-1] and llm.ahead is None and llm.scheduler.is_finished()
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == len(bm.blocks)
+        llm.model_runner.run = run
+        outs = llm.generate(prompts[:2], params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]

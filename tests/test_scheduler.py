@@ -400,3 +400,17 @@ def test_later_prompt_of_the_same_prefill_batch_reuses_the_shared_prefix(model_d
     batch = sched.schedule()
     assert batch.seqs == [a, b] and batch.num_new_tokens == [10, 1]  # b computes only its own token
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+
+
+def test_a_step_scheduled_ahead_can_be_cancelled(model_dir):
+    sched = make_scheduler(model_dir)
+    a = make_seq(prompt(6), max_tokens=10)
+    sched.add(a)
+    step(sched)
+    decode = sched.schedule()
+    ahead = sched.schedule_ahead(decode)
+    assert a.token_ids[-1] == PENDING
+    sched.cancel_ahead(ahead)  # decode failed: neither step is postprocessed
+    assert PENDING not in a.token_ids and a.num_tokens == 7
+    batch, _ = step(sched)  # the lost step is simply run again
+    assert batch.seqs == [a] and a.num_tokens == 8 and a.num_computed_tokens == 7
