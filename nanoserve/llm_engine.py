@@ -167,9 +167,16 @@ class LLMEngine:
         else:
             batch = self.scheduler.schedule()
             out = self.model_runner.run(batch)
-        if self.overlap and (nxt := self.scheduler.schedule_ahead(batch)) is not None:
-            self.ahead = (nxt, self.model_runner.run(nxt, prev=(batch, out)))
-        finished = self.scheduler.postprocess(batch, out.tolist())
+        nxt = self.scheduler.schedule_ahead(batch) if self.overlap else None
+        try:
+            if nxt is not None:
+                self.ahead = (nxt, self.model_runner.run(nxt, prev=(batch, out)))
+            finished = self.scheduler.postprocess(batch, out.tolist())
+        except BaseException:
+            if nxt is not None:  # the step ahead will never be postprocessed: drop its PENDING tokens
+                self.scheduler.cancel_ahead(nxt)
+                self.ahead = None
+            raise
         if self.config.trace:
             self._trace(batch, stats_before, len(finished))
         return finished, batch

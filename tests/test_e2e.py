@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.sequence import PENDING
 from nanoserve.weights import default_model_dir
 
 pytestmark = pytest.mark.slow
@@ -123,6 +124,7 @@ def test_text_prompts_and_trace(model_dir, caplog):
 def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_outputs):
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(model_dir) as llm:
+        other = llm.add_request(prompts[2], params)  # a request of nobody's generate() call: it must survive
         run, calls = llm.model_runner.run, []
 
         def failing_run(batch, prev=None):  # the 4th launch fails: a decode step scheduled ahead
@@ -133,9 +135,13 @@ def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_ou
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
             llm.generate(prompts[:2], params, use_tqdm=False)
-        assert calls[-1] and llm.ahead is None and llm.scheduler.is_finished()
-        bm = llm.scheduler.block_manager
-        assert bm.num_free_blocks == len(bm.blocks)
+        assert calls[-1] and llm.ahead is None and PENDING not in other.token_ids
+        assert list(llm.scheduler.running) == [other] and not llm.scheduler.waiting
         llm.model_runner.run = run
         outs = llm.generate(prompts[:2], params, use_tqdm=False)
+        while not other.is_finished:
+            llm.step()
+        bm = llm.scheduler.block_manager
+        assert llm.scheduler.is_finished() and bm.num_free_blocks == len(bm.blocks)
     assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
+    assert other.output_token_ids == hf_outputs[2][:8]
