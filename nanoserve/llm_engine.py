@@ -79,7 +79,8 @@ class LLMEngine:
             self.shutdown()
             raise
         self.scheduler = Scheduler(self.config, self._eos_token_ids())
-        # TP workers never see the sampled tokens, so only a single rank schedules steps ahead
+        # only a single rank schedules steps ahead: TP workers never see the sampled tokens, and rank 0's wait
+        # for them is also what tells it the workers have read a call before the next one overwrites it
         self.overlap = self.config.overlap_scheduling and self.config.tensor_parallel_size == 1
         self.ahead: tuple[Batch, StepOutput] | None = None  # a step launched before the previous one's tokens
 
