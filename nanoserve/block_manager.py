@@ -124,9 +124,13 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
 
     # ---- decode: one more slot -------------------------------------------------------------------
+    def num_missing_blocks(self, seq: Sequence, num_extra_tokens: int = 0) -> int:
+        """Fresh blocks seq still needs for the K/V of all its tokens plus num_extra_tokens more."""
+        return -(-(seq.num_tokens + num_extra_tokens) // self.block_size) - len(seq.block_table)
+
     def can_append(self, seq: Sequence) -> bool:
         """Is there room for the K/V of every token seq has (the newest one included)?"""
-        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
+        return self.num_missing_blocks(seq) <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence) -> None:
         while len(seq.block_table) < seq.num_blocks:

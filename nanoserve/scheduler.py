@@ -97,8 +97,7 @@ class Scheduler:
         if batch.is_prefill or self.waiting:
             return None
         seqs = [seq for seq in batch.seqs if not seq.is_finished and seq.num_output_tokens + 1 < seq.params.max_tokens]
-        bs = self.block_manager.block_size
-        new_blocks = sum(-(-(seq.num_tokens + 1) // bs) - len(seq.block_table) for seq in seqs)
+        new_blocks = sum(self.block_manager.num_missing_blocks(seq, num_extra_tokens=1) for seq in seqs)
         if not seqs or new_blocks > self.block_manager.num_free_blocks:
             return None
         for seq in seqs:
