@@ -1,4 +1,4 @@
-"""GPU kernels of attention: KV-cache store, paged decode, varlen prefill, each beside a plain-torch reference.
+"""GPU kernels of attention, each beside a plain-torch reference: rotary + KV store, paged decode, prefill.
 
 Owns the math on the paged KV cache and nothing else: layers.Attention picks what to call, model_runner
 builds the batch tensors. On CUDA the Triton kernels run; on CPU the references run, unless the kernels
@@ -42,22 +42,56 @@ MERGE_NUM_WARPS = 2  # merging 6 partials of 256 x 16 rows: 11.4 us at 1 or 2 wa
 
 
 # ---------------------------------------------------------------------------------------------------------
-# KV store: scatter this step's new keys/values into their cache slots.
+# Rotary + KV store: per token, Qwen3's per-head RMSNorm of q and k, the rotary embedding of both (written back
+# in place), and the new keys and values scattered into their cache slots. One launch per layer, where the
+# separate steps took five (two norms, two rotations, the store), each a few microseconds of a decode step.
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                          key_stride, value_stride,
-                          KV_WIDTH: tl.constexpr, KV_WIDTH_PAD: tl.constexpr):
-    token = tl.program_id(0)  # one program copies one token's Hkv * D keys and values
-    slot = tl.load(slot_mapping_ptr + token)
-    offs = tl.arange(0, KV_WIDTH_PAD)  # arange needs a power of two: SmolLM2's 3 x 64 = 192 pads to 256
-    mask = offs < tl.where(slot >= 0, KV_WIDTH, 0)  # slot -1 (a padded CUDA-graph slot) writes nowhere
-    k = tl.load(key_ptr + token * key_stride + offs, mask=mask)
-    v = tl.load(value_ptr + token * value_stride + offs, mask=mask)
-    dst = slot.to(tl.int64) * KV_WIDTH + offs  # a slot is one (Hkv, D) row of the contiguous cache
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+def _norm_rotate_heads(x_ptr, weight_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """One token's heads (NUM_HEADS, D) at x_ptr rotated in place, RMS-normalized first with QK_NORM; returns the
+    rotated halves. Rotate-half layout: x[i] pairs with x[i + D/2] under angle i; cos, sin (1, D/2) fp32."""
+    heads, half = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HEAD_DIM // 2)[None, :]
+    mask = (heads < NUM_HEADS) & (half >= 0)  # (HEADS_PAD, D/2): SmolLM2's 9 query heads pad to 16
+    lo_ptr = x_ptr + heads * HEAD_DIM + half  # (HEADS_PAD, D/2) pointers to the first halves
+    dtype = x_ptr.dtype.element_ty
+    x1 = tl.load(lo_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(lo_ptr + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # rounded as rms_norm_ref rounds: normalized in fp32, to the model dtype, times the weight
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]  # (HEADS_PAD, 1)
+        w1 = tl.load(weight_ptr + half).to(tl.float32)  # (1, D/2)
+        w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half).to(tl.float32)
+        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    y1, y2 = (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+    tl.store(lo_ptr, y1, mask=mask)
+    tl.store(lo_ptr + HEAD_DIM // 2, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+                         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, q_stride, k_stride, v_stride, eps,
+                         H: tl.constexpr, H_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, STORE: tl.constexpr):
+    token = tl.program_id(0)  # one program per token: all its heads of q, k and v
+    half = tl.arange(0, HEAD_DIM // 2)[None, :]  # (1, D/2)
+    angles = cos_sin_ptr + tl.load(positions_ptr + token) * HEAD_DIM  # the position's row: D/2 cos, D/2 sin
+    cos, sin = tl.load(angles + half), tl.load(angles + HEAD_DIM // 2 + half)
+    _norm_rotate_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps, H, H_PAD, HEAD_DIM, QK_NORM)
+    k1, k2 = _norm_rotate_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, HKV, HKV_PAD, HEAD_DIM,
+                                QK_NORM)
+    if STORE:  # the cache holds the rotated keys
+        slot = tl.load(slot_mapping_ptr + token)
+        heads = tl.arange(0, HKV_PAD)[:, None]
+        mask = (heads < tl.where(slot >= 0, HKV, 0)) & (half >= 0)  # slot -1 (a padded graph row): no heads
+        dst = slot.to(tl.int64) * (HKV * HEAD_DIM) + heads * HEAD_DIM + half  # a slot is one (Hkv, D) cache row
+        src = v_ptr + token * v_stride + heads * HEAD_DIM + half
+        tl.store(k_cache_ptr + dst, k1, mask=mask)
+        tl.store(k_cache_ptr + dst + HEAD_DIM // 2, k2, mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst + HEAD_DIM // 2, tl.load(src + HEAD_DIM // 2, mask=mask), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -107,7 +141,9 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, NUM_STAGES: tl.constexpr,
                          CASCADE: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # KV heads vary fastest in the grid: the GPU starts programs in that order, so a batch sorted longest
+    # context first (the scheduler's order) starts its longest work first and the SMs finish together
+    kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     TILE: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER  # tokens per step: whole blocks, so rows never straddle
     context_len = tl.load(context_lens_ptr + seq)
     first_block = 0
@@ -132,7 +168,7 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         valid = in_split & (seq_block * BLOCK_SIZE + offset < context_len)  # (TILE,) last block is ragged
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, valid,
                                      kv_head * HEAD_DIM, offs_d, cache_stride_block, cache_stride_token, qk_scale)
-    q_rows = seq * tl.num_programs(1) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
+    q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in here, no merge launch
         for slot in range(0, first_slot):  # first_slot = number of prefix partials (0 without a prefix)
             m_i, l_i, acc = _fold_partial(m_i, l_i, acc, part_out_ptr, part_lse_ptr, q_rows * num_slots + slot,
@@ -228,7 +264,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 
 # True when TRITON_INTERPRET=1 was set at import: the kernels above were built by the interpreter and run on
 # CPU tensors (slowly), which is how CI tests them. Read once, the same moment triton.jit made that choice.
-_INTERPRETED = not isinstance(_store_kvcache_kernel, triton.runtime.jit.JITFunction)
+_INTERPRETED = not isinstance(_rotary_store_kernel, triton.runtime.jit.JITFunction)
 
 
 def _use_triton(t: Tensor) -> bool:
@@ -239,23 +275,64 @@ def _use_triton(t: Tensor) -> bool:
 # Python entry points
 # ---------------------------------------------------------------------------------------------------------
 
-def store_kvcache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write key/value (N, Hkv, D) into the paged caches at slot_mapping (N,); slot -1 writes nowhere."""
-    if not _use_triton(key):
-        return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
-    N, Hkv, D = key.shape
-    assert value.shape == key.shape and slot_mapping.shape == (N,) and slot_mapping.dtype == torch.int32
-    assert k_cache.shape[2:] == (Hkv, D) and k_cache.shape == v_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == key.dtype
-    # a token's heads must be packed (Hkv * D values in a row); the token stride may be wider (a qkv view)
-    assert key.stride()[1:] == (D, 1) and value.stride()[1:] == (D, 1)
-    _store_kvcache_kernel[(N,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-                                KV_WIDTH=Hkv * D, KV_WIDTH_PAD=triton.next_power_of_2(Hkv * D))
+def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, slot_mapping: Tensor,
+                     qk_norm: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor]:
+    """Rotary embedding of q (N, H, D) and k (N, Hkv, D) at positions (N,), after a per-head RMSNorm of each when
+    qk_norm = (q_weight (D,), k_weight (D,), eps) is given (Qwen3); then the rotated k and v (N, Hkv, D) go into
+    the paged caches at slot_mapping (N,) int32 (slot -1 writes nowhere; empty caches, before the KV cache
+    exists, skip the store). cos_sin (max_position, D) fp32: each position's D/2 cosines, then its D/2 sines.
+    q, k, v may be views of one fused projection (heads packed, any token stride). Returns the rotated q and k:
+    with Triton, q and k themselves, rotated in place by one launch; otherwise new tensors (the reference)."""
+    if not _use_triton(q):
+        return rotary_and_store_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm)
+    (N, H, D), Hkv = q.shape, k.shape[1]
+    assert k.shape == v.shape == (N, Hkv, D) and positions.shape == slot_mapping.shape == (N,)
+    assert all(t.stride()[1:] == (D, 1) for t in (q, k, v)), "heads packed, last dim contiguous"
+    assert cos_sin.dtype == torch.float32 and cos_sin.shape[1] == D and cos_sin.is_contiguous()
+    store = k_cache.numel() > 0
+    assert not store or (k_cache.shape[2:] == (Hkv, D) and k_cache.shape == v_cache.shape and k_cache.is_contiguous()
+                         and v_cache.is_contiguous() and k_cache.dtype == k.dtype and slot_mapping.dtype == torch.int32)
+    q_weight, k_weight, eps = qk_norm or (q, k, 0.0)  # without the norm the weights are never read
+    _rotary_store_kernel[(N,)](
+        q, k, v, positions, cos_sin, q_weight, k_weight, k_cache if store else k, v_cache if store else v,
+        slot_mapping, q.stride(0), k.stride(0), v.stride(0), eps, H=H, H_PAD=triton.next_power_of_2(H),
+        HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv), HEAD_DIM=D, QK_NORM=qk_norm is not None, STORE=store)
+    return q, k
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim: the mean of squares in fp32, then back to x's dtype (as transformers does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
+def rotary_ref(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """Rotate each (x1, x2) half-pair of x (N, heads, D) by its token's angle; cos_sin (N, D) fp32."""
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
+    x1, x2 = x.float().chunk(2, dim=-1)  # (N, heads, D/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+def rotary_and_store_ref(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, slot_mapping: Tensor,
+                         qk_norm: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor]:
+    """Plain-torch rotary_and_store (CPU path and test oracle): new q and k, inputs untouched."""
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    angles = cos_sin[positions]  # (N, D)
+    q, k = rotary_ref(q, angles), rotary_ref(k, angles)
+    if k_cache.numel():
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def store_kvcache_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> None:
-    """Plain-torch store_kvcache (CPU path and test oracle). Boolean masking syncs: not for CUDA graphs."""
+    """Write key/value (N, Hkv, D) into the caches at slot_mapping (N,); slot -1 writes nowhere. Boolean
+    masking syncs: the CPU path and test oracle only, never in a CUDA graph."""
     Hkv, D = key.shape[1:]
     assert value.shape == key.shape and k_cache.shape[2:] == (Hkv, D) and slot_mapping.shape == key.shape[:1]
     keep = slot_mapping >= 0  # (N,) drop padded slots (-1)
@@ -360,7 +437,7 @@ def _paged_decode_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
             scale * LOG2E, S, num_slots, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             GROUP=H // Hkv, ROWS=CASCADE_ROWS, num_warps=CASCADE_NUM_WARPS, **launch)
-    _paged_decode_kernel[(S, Hkv, num_splits)](
+    _paged_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         scale * LOG2E, prefix_splits, num_slots, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), GROUP=H // Hkv, GROUP_PAD=GROUP_PAD, CASCADE=cascade,

@@ -20,8 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.kernels import (gather_kv, paged_decode, paged_decode_ref, prefill_attention,
-                               store_kvcache, store_kvcache_ref)
+from nanoserve.kernels import gather_kv, paged_decode, prefill_attention, rms_norm_ref, rotary_and_store
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -80,19 +79,13 @@ def gpu_compiled(fn: Callable) -> Callable:
     return dispatch
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()  # the mean of squares in float32, then back to the model's dtype (as transformers does)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
-
-
-rms_norm = gpu_compiled(_rms_norm)
+rms_norm = gpu_compiled(rms_norm_ref)
 
 
 @gpu_compiled
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     residual = x + residual
-    return _rms_norm(residual, weight, eps), residual
+    return rms_norm_ref(residual, weight, eps), residual
 
 
 class RMSNorm(nn.Module):
@@ -108,26 +101,9 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def apply_rotary(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """Rotate each (x1, x2) half-pair of x (N, heads, D) by its position's angle; cos_sin (N, D) float32."""
-    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (N, 1, D/2) each
-    x1, x2 = x.float().chunk(2, dim=-1)  # (N, heads, D/2) each
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
-
-
-@gpu_compiled
-def norm_and_rotate(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, q_weight: Tensor | None,
-                    k_weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """Per-head RMSNorm of q (N, H, D) and k (N, Hkv, D) when weights are given (Qwen3), then rotary
-    embedding at each token's position: on the GPU two fused kernels instead of five."""
-    if q_weight is not None:
-        q, k = _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps)
-    cs = cos_sin[positions]  # (N, D)
-    return apply_rotary(q, cs), apply_rotary(k, cs)
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout, as Llama and Qwen checkpoints use)."""
+    """Rotary position embedding's table (rotate-half layout, as Llama and Qwen checkpoints use); Attention
+    applies it (kernels.rotary_and_store)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
@@ -235,8 +211,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 # ---- attention -----------------------------------------------------------------------------------------
 class Attention(nn.Module):
-    """Writes the new K/V into the paged cache, then attends: varlen flash attention for prefill,
-    the paged-decode kernel over the block table for decode."""
+    """Rotates q and k (after Qwen3's q/k norm) and writes the new K/V into the paged cache, one fused kernel
+    on the GPU; then attends: varlen flash attention for prefill, the paged-decode kernel for decode."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -244,26 +220,24 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.tensor([])  # (num_blocks, B, Hkv, D), set by the model runner
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor,
+                qk_norm: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
+        """q (N, H D), k and v (N, Hkv D), views of one projection, at positions (N,) -> (N, H D)."""
         ctx = get_forward_context()
         q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        if self.k_cache.numel():  # the profiling run before the cache exists skips the store
-            store = store_kvcache if q.is_cuda else store_kvcache_ref
-            store(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        # the profiling run before the cache exists passes empty caches: no store
+        q, k = rotary_and_store(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping, qk_norm)
         if ctx.is_prefill:
             if ctx.prefix_hit:  # cached prefix tokens are not in k/v: read every context token from the cache
                 k, v = gather_kv(self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_k,
                                  ctx.num_context_tokens)  # (Nk, Hkv, D)
             o = prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                   ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
-        else:
-            if q.is_cuda:
-                o = paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
-                                 num_common_blocks=ctx.num_common_blocks)
-            else:
-                o = paged_decode_ref(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+        else:  # on the CPU the reference (the cascade split changes only how often the kernels read the prefix)
+            o = paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                             num_common_blocks=ctx.num_common_blocks)
         return o.reshape(-1, self.num_heads * self.head_dim)  # (N, H * D)
 
 

@@ -285,25 +285,26 @@ class ModelRunner:
                 "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32),
                 "num_common_blocks": torch.zeros(1, dtype=torch.int32),
                 "hidden": torch.zeros(max_bs, hidden_size, dtype=self.config.torch_dtype)}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, cascade) -> graph
         pool = None
         for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_bs]):  # largest first: others reuse its pool
-            graph = torch.cuda.CUDAGraph()
-            b = {name: buf[:bs] for name, buf in self.graph_buffers.items()}
-            ctx = ForwardContext(is_prefill=False, slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
-                                 block_tables=b["block_tables"],
-                                 num_common_blocks=b["num_common_blocks"] if self.use_cascade(bs) else None)
-            with forward_context(ctx):
-                b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up outside the graph
-                with torch.cuda.graph(graph, pool):
-                    b["hidden"][:] = self.model(b["input_ids"], b["positions"])
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
+            for cascade in {False, self.use_cascade(bs)}:  # a cascade graph only where cascade may be used
+                graph = torch.cuda.CUDAGraph()
+                b = {name: buf[:bs] for name, buf in self.graph_buffers.items()}
+                ctx = ForwardContext(is_prefill=False, slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
+                                     block_tables=b["block_tables"],
+                                     num_common_blocks=b["num_common_blocks"] if cascade else None)
+                with forward_context(ctx):
+                    b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up outside the graph
+                    with torch.cuda.graph(graph, pool):
+                        b["hidden"][:] = self.model(b["input_ids"], b["positions"])
+                pool = pool or graph.pool()
+                self.graphs[bs, cascade] = graph
         torch.cuda.synchronize()
 
     def replay_cudagraph(self, inputs: BatchInputs, input_ids: Tensor) -> Tensor:
         bs = len(inputs.positions)
-        graph_bs = min(b for b in self.graphs if b >= bs)  # the smallest captured batch that fits
+        graph_bs = min(b for b, _ in self.graphs if b >= bs)  # the smallest captured batch that fits
         buf = self.graph_buffers
         buf["input_ids"][:bs].copy_(input_ids)
         for name in ("positions", "slot_mapping", "context_lens"):
@@ -313,7 +314,8 @@ class ModelRunner:
         width = inputs.block_tables.shape[1]
         buf["block_tables"][:bs, :width].copy_(self._pinned(inputs.block_tables), non_blocking=True)
         buf["num_common_blocks"].fill_(inputs.num_common_blocks)  # read only by graphs captured with cascade
-        self.graphs[graph_bs].replay()
+        # the cascade graph only when blocks are shared: with none, its prefix kernel would launch for nothing
+        self.graphs[graph_bs, inputs.num_common_blocks > 0].replay()
         return buf["hidden"][:bs]
 
     # ---- sampling (rank 0) --------------------------------------------------------------------------

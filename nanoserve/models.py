@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from nanoserve.layers import (Attention, ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                              RowParallelLinear, VocabParallelEmbedding, norm_and_rotate, silu_and_mul,
+                              RowParallelLinear, VocabParallelEmbedding, silu_and_mul,
                               tp_rank_and_size)
 
 
@@ -45,11 +45,8 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) D)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
-        q, k = norm_and_rotate(q, k, positions, self.rotary.cos_sin, *qk_norm)
-        return self.o_proj(self.attn(q, k, v))  # (N, hidden)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else None
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary.cos_sin, qk_norm))  # (N, hidden)
 
 
 class MLP(nn.Module):

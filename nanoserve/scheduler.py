@@ -86,6 +86,9 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(1)
         self.running.extendleft(reversed(batch.seqs))  # keep arrival order: oldest first
+        # the batch itself runs longest context first: the decode kernel starts its programs in batch order,
+        # and starting the longest work first lets the SMs finish together (steps scheduled ahead keep it)
+        batch.seqs.sort(key=lambda seq: seq.num_tokens, reverse=True)
         return batch
 
     def schedule_ahead(self, batch: Batch) -> Batch | None:

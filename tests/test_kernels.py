@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from nanoserve import kernels
+from nanoserve.layers import RotaryEmbedding
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 gpu = pytest.mark.gpu
@@ -89,19 +90,62 @@ def make_cascade_kv(num_common: int, own_lens: list[int], B: int, Hkv: int, D: i
 # CPU: Triton kernels under the interpreter vs references
 # ------------------------------------------------------------------------------------------------------
 
+def make_rotary_inputs(N: int, H: int, Hkv: int, D: int, dtype: torch.dtype, device: str = "cpu",
+                       num_blocks: int = 8, B: int = 16) -> dict:
+    """A fused qkv projection's views, positions, a rotary table, q/k norm weights, and caches with slots
+    scattered over them (every 4th token padded: slot -1)."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
+    slots = torch.randperm(num_blocks * B, generator=gen)[:N].to(torch.int32)
+    slots[::4] = -1
+    return dict(q=q.view(N, H, D), k=k.view(N, Hkv, D), v=v.view(N, Hkv, D),
+                positions=torch.randint(0, 4096, (N,), generator=gen).to(device),
+                cos_sin=RotaryEmbedding(D, 4096, 1e6).cos_sin.to(device),
+                k_cache=torch.randn(num_blocks, B, Hkv, D, generator=gen).to(device, dtype),
+                v_cache=torch.randn(num_blocks, B, Hkv, D, generator=gen).to(device, dtype),
+                slot_mapping=slots.to(device),
+                qk_norm=(torch.rand(D, generator=gen).to(device, dtype) + 0.5,
+                         torch.rand(D, generator=gen).to(device, dtype) + 0.5, 1e-6))
+
+
+def check_rotary_and_store(args: dict, qk_norm: bool, store: bool, tol: dict) -> None:
+    """The kernel rotates q and k in place and stores like the reference; untouched slots stay untouched."""
+    if not qk_norm:
+        args["qk_norm"] = None
+    if not store:
+        args["k_cache"] = args["v_cache"] = torch.tensor([], device=args["q"].device)
+    ref_args = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in args.items()}
+    q_ref, k_ref = kernels.rotary_and_store_ref(**ref_args)
+    q, k = kernels.rotary_and_store(**args)
+    assert q.data_ptr() == args["q"].data_ptr() and k.data_ptr() == args["k"].data_ptr()  # in place
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k, k_ref, **tol)
+    assert torch.equal(args["v"], ref_args["v"])
+    torch.testing.assert_close(args["k_cache"], ref_args["k_cache"], **tol)
+    assert torch.equal(args["v_cache"], ref_args["v_cache"])  # values are copied, not computed
+
+
 @interpreted
-@pytest.mark.parametrize("Hkv, D", [(3, 64), (2, 128)])  # 3 x 64 = 192: a KV row that is not a power of two
-def test_store_kvcache_interpreted(Hkv: int, D: int) -> None:
-    N, B = 7, 16
-    qkv = torch.randn(N, 4 * Hkv * D)  # key/value are strided views of a fused projection, as in the model
-    key, value = qkv[:, :Hkv * D].view(N, Hkv, D), qkv[:, 2 * Hkv * D:3 * Hkv * D].view(N, Hkv, D)
-    slot_mapping = torch.tensor([3, -1, 17, 40, 16, -1, 63], dtype=torch.int32)  # -1: padded, write nowhere
-    k_cache, v_cache = torch.randn(4, B, Hkv, D), torch.randn(4, B, Hkv, D)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    kernels.store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    assert torch.equal(k_ref.view(-1, Hkv, D)[40], key[3])  # slot = block_id * B + offset
+@pytest.mark.parametrize("H, Hkv, D", [(16, 8, 128), (9, 3, 64)])  # Qwen3-0.6B; SmolLM2: 9 and 3 pad to 16, 4
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("store", [True, False])
+def test_rotary_and_store_interpreted(H: int, Hkv: int, D: int, qk_norm: bool, store: bool) -> None:
+    args = make_rotary_inputs(9, H, Hkv, D, torch.float32)
+    check_rotary_and_store(args, qk_norm, store, dict(atol=1e-5, rtol=1e-5))
+
+
+def test_rotary_ref_rotates_pairs_by_position() -> None:
+    """rotary_ref against the definition: pair (x[i], x[i + D/2]) turns by position * theta^(-2i/D)."""
+    D, pos = 8, 5
+    x = torch.randn(1, 1, D)
+    cos_sin = RotaryEmbedding(D, 16, 100.0).cos_sin
+    out = kernels.rotary_ref(x, cos_sin[torch.tensor([pos])])
+    for i in range(D // 2):
+        angle = pos * 100.0 ** (-2 * i / D)
+        a, b = x[0, 0, i].item(), x[0, 0, i + D // 2].item()
+        assert out[0, 0, i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-5)
+        assert out[0, 0, i + D // 2].item() == pytest.approx(b * math.cos(angle) + a * math.sin(angle), abs=1e-5)
 
 
 DECODE_SHAPES = [  # (group = H // Hkv, Hkv, D, B)
@@ -268,21 +312,13 @@ TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=5e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("Hkv, D", [(3, 64), (8, 128)])
+@pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (16, 8, 128)])
+@pytest.mark.parametrize("qk_norm", [True, False])
 @gpu
 @requires_cuda
-def test_store_kvcache_gpu(dtype: torch.dtype, Hkv: int, D: int) -> None:
-    N, B, num_blocks = 300, 16, 40
-    qkv = torch.randn(N, 4 * Hkv * D, dtype=dtype, device="cuda")
-    key, value = qkv[:, :Hkv * D].view(N, Hkv, D), qkv[:, Hkv * D:2 * Hkv * D].view(N, Hkv, D)
-    slot_mapping = torch.randperm(num_blocks * B, device="cuda")[:N].to(torch.int32)
-    slot_mapping[::7] = -1
-    k_cache = torch.randn(num_blocks, B, Hkv, D, dtype=dtype, device="cuda")
-    v_cache = torch.randn_like(k_cache)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    kernels.store_kvcache_ref(key, value, k_ref, v_ref, slot_mapping)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+def test_rotary_and_store_gpu(dtype: torch.dtype, H: int, Hkv: int, D: int, qk_norm: bool) -> None:
+    args = make_rotary_inputs(300, H, Hkv, D, dtype, "cuda", num_blocks=40)
+    check_rotary_and_store(args, qk_norm, True, TOL[dtype])
 
 
 @pytest.mark.parametrize("group, Hkv", [(1, 4), (2, 8), (3, 3), (8, 2), (16, 1)])
@@ -333,7 +369,7 @@ def test_prefill_attention_gpu() -> None:
 @gpu
 @requires_cuda
 def test_decode_cuda_graph_gpu() -> None:
-    """store_kvcache + paged_decode captured once, replayed on new contents: equal to eager, no host sync."""
+    """rotary_and_store + paged_decode captured once, replayed on new contents: equal to eager, no host sync."""
     S, B, Hkv, D, H = 8, 16, 8, 128, 16
     lens = [1, 17, 64, 200, 0, 5, 300, 33]
     capacity = [n + 2 for n in lens]  # room for the two steps below
@@ -341,9 +377,11 @@ def test_decode_cuda_graph_gpu() -> None:
     q = torch.randn(S, H, D, dtype=torch.bfloat16, device="cuda")
     key, value = torch.randn(2, S, Hkv, D, dtype=torch.bfloat16, device="cuda")
     slots = torch.full((S,), -1, dtype=torch.int32, device="cuda")
+    positions = torch.zeros(S, dtype=torch.int64, device="cuda")
+    cos_sin = RotaryEmbedding(D, 4096, 1e6).cos_sin.cuda()
 
     def decode_step() -> torch.Tensor:  # what one attention layer does in a decode step
-        kernels.store_kvcache(key, value, k_cache, v_cache, slots)
+        kernels.rotary_and_store(q, key, value, positions, cos_sin, k_cache, v_cache, slots)
         return kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
 
     decode_step()  # compile outside the capture
@@ -358,11 +396,15 @@ def test_decode_cuda_graph_gpu() -> None:
         ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
         for s, n in enumerate(new_lens):
             slots[s] = block_tables[s, (n - 1) // B] * B + (n - 1) % B if n else -1
+        positions.copy_((ctx - 1).clamp(min=0))
+        q_before, key_before = q.clone(), key.clone()  # rotated in place: eager starts again from these
         k_before, v_before = k_cache.clone(), v_cache.clone()
         graph.replay()
         k_graph, v_graph = k_cache.clone(), v_cache.clone()
         k_cache.copy_(k_before)
         v_cache.copy_(v_before)
+        q.copy_(q_before)
+        key.copy_(key_before)
         eager = decode_step()
         assert torch.equal(graph_out, eager)
         exact = dict(rtol=0, atol=0, equal_nan=True)  # unused cache slots hold NaN on purpose

@@ -158,10 +158,12 @@ def test_decode_gives_every_running_sequence_one_token(model_dir):
     for i in range(4):
         lengths = [seq.num_tokens for seq in seqs]
         batch = sched.schedule()
-        assert not batch.is_prefill and batch.seqs == seqs and batch.num_new_tokens == [1, 1, 1]
+        # longest context first (the decode kernel's preferred order); the running queue keeps arrival order
+        assert not batch.is_prefill and batch.seqs == seqs[::-1] and batch.num_new_tokens == [1, 1, 1]
+        assert list(sched.running) == seqs
         for seq in seqs:  # a slot for the newest token's K/V
             assert len(seq.block_table) == -(-seq.num_tokens // BS)
-        sched.postprocess(batch, [20 + i, 30 + i, 40 + i])
+        sched.postprocess(batch, [40 + i, 30 + i, 20 + i])
         assert [seq.num_tokens for seq in seqs] == [n + 1 for n in lengths]
         assert [seq.output_token_ids[-1] for seq in seqs] == [20 + i, 30 + i, 40 + i]
         assert all(seq.num_computed_tokens == seq.num_tokens - 1 for seq in seqs)
