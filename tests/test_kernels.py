@@ -236,6 +236,35 @@ def test_paged_decode_cascade_row_tiles_interpreted(num_splits: int) -> None:
     torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
 
 
+@interpreted
+def test_engine_greedy_matches_transformers_interpreted(tmp_path: pathlib.Path) -> None:
+    """The whole engine on the Triton kernels (CI's only run of the GPU attention path end to end): the
+    fused projection's q and k rotated in place by rotary_and_store, prefill on the cached K/V of a prefix
+    that the batch shares, paged decode with cascade attention (32 sequences share 2 blocks), the batch
+    ordered longest first. A tiny random Qwen3 (q/k norm) in float32: greedy tokens equal transformers'."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.model_runner import CASCADE_MIN_SEQS
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=500, max_position_embeddings=512,
+                      initializer_range=0.2)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 500, (32,), generator=gen).tolist()  # 2 full blocks of 16 tokens
+    prompts = [shared + torch.randint(0, 500, (3 + i % 7,), generator=gen).tolist() for i in range(CASCADE_MIN_SEQS)]
+    num_new = 4
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=num_new, min_new_tokens=num_new,
+                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+    with LLM(str(tmp_path), max_model_len=128, enforce_eager=True) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True),
+                            use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == expected
+
+
 def test_default_num_splits() -> None:
     cuda = torch.device("cuda")
     with pytest.MonkeyPatch.context() as mp:  # the SM count is the only device fact used: pin an H100's
