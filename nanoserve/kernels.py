@@ -53,7 +53,9 @@ def _norm_rotate_heads(x_ptr, weight_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr
     """One token's heads (NUM_HEADS, D) at x_ptr rotated in place, RMS-normalized first with QK_NORM; returns the
     rotated halves. Rotate-half layout: x[i] pairs with x[i + D/2] under angle i; cos, sin (1, D/2) fp32."""
     heads, half = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, HEAD_DIM // 2)[None, :]
-    mask = (heads < NUM_HEADS) & (half >= 0)  # (HEADS_PAD, D/2): SmolLM2's 9 query heads pad to 16
+    # (HEADS_PAD, D/2), spelled out in full (& half >= 0): Triton's interpreter does not broadcast store masks.
+    # Heads pad to a power of two: SmolLM2's 9 query heads to 16.
+    mask = (heads < NUM_HEADS) & (half >= 0)
     lo_ptr = x_ptr + heads * HEAD_DIM + half  # (HEADS_PAD, D/2) pointers to the first halves
     dtype = x_ptr.dtype.element_ty
     x1 = tl.load(lo_ptr, mask=mask, other=0.0).to(tl.float32)

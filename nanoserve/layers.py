@@ -235,7 +235,7 @@ class Attention(nn.Module):
                                  ctx.num_context_tokens)  # (Nk, Hkv, D)
             o = prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                   ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
-        else:  # on the CPU the reference (the cascade split changes only how often the kernels read the prefix)
+        else:  # on the CPU paged_decode runs its reference, for which num_common_blocks changes nothing
             o = paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
                              num_common_blocks=ctx.num_common_blocks)
         return o.reshape(-1, self.num_heads * self.head_dim)  # (N, H * D)
