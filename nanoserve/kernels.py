@@ -291,6 +291,7 @@ def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin
     (N, H, D), Hkv = q.shape, k.shape[1]
     assert k.shape == v.shape == (N, Hkv, D) and positions.shape == slot_mapping.shape == (N,)
     assert all(t.stride()[1:] == (D, 1) for t in (q, k, v)), "heads packed, last dim contiguous"
+    assert D >= 4 and D & (D - 1) == 0, f"head dim {D}: the Triton kernels need a power of two"
     assert cos_sin.dtype == torch.float32 and cos_sin.shape[1] == D and cos_sin.is_contiguous()
     store = k_cache.numel() > 0
     assert not store or (k_cache.shape[2:] == (Hkv, D) and k_cache.shape == v_cache.shape and k_cache.is_contiguous()

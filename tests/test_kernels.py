@@ -135,6 +135,13 @@ def test_rotary_and_store_interpreted(H: int, Hkv: int, D: int, qk_norm: bool, s
     check_rotary_and_store(args, qk_norm, store, dict(atol=1e-5, rtol=1e-5))
 
 
+@interpreted
+def test_rotary_and_store_rejects_a_head_dim_not_a_power_of_two_interpreted() -> None:
+    args = make_rotary_inputs(3, 4, 2, 48, torch.float32)
+    with pytest.raises(AssertionError, match="power of two"):
+        kernels.rotary_and_store(**args)
+
+
 def test_rotary_ref_rotates_pairs_by_position() -> None:
     """rotary_ref against the definition: pair (x[i], x[i + D/2]) turns by position * theta^(-2i/D)."""
     D, pos = 8, 5
