@@ -243,22 +243,26 @@ class Attention(nn.Module):
 
 # ---- sampling --------------------------------------------------------------------------------------------
 @gpu_compiled
-def race_sample(logits: Tensor, temperatures: Tensor, noise: Tensor) -> Tensor:
+def race_sample(logits: Tensor, temperatures: Tensor, noise: Tensor | None = None) -> Tensor:
     """One draw per row from softmax(logits / T), argmax where T = 0. The exponential race: with E ~ Exp(1),
     argmax(p / E) is a draw from p, with no host sync; and since softmax only rescales a row,
-    argmax(logits / T - log E) is the same draw without computing the softmax (one fused pass on the GPU)."""
-    scores = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1) - noise.log()  # (S, V)
+    argmax(logits / T - log E) is the same draw without computing the softmax (one fused pass on the GPU).
+    noise (S, V) holds E when given (seeded rows); else E = -log U is drawn here, U uniform in [0, 1), and on
+    the GPU inside that same pass, so no (S, V) noise tensor is ever written (156 MB at 256 x 151,936).
+    U = 0 gives E = inf, and that token loses (a chance of about 1e-7 per logit)."""
+    log_e = noise.log() if noise is not None else (-torch.rand_like(logits, dtype=torch.float32).log()).log()
+    scores = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1) - log_e  # (S, V)
     return torch.where(temperatures == 0, logits.argmax(-1), scores.argmax(-1))  # (S,)
 
 
 class Sampler(nn.Module):
     """One token per row of logits, each row with its own temperature, top-k and top-p."""
 
-    def forward(self, logits: Tensor, temperatures: Tensor, noise: Tensor | None,
+    def forward(self, logits: Tensor, temperatures: Tensor | None, noise: Tensor | None = None,
                 top_ks: Tensor | None = None, top_ps: Tensor | None = None) -> Tensor:
-        # logits (S, V); temperatures (S,); noise (S, V) float32 ~ Exp(1), None when every row is greedy;
-        # top_ks (S,) int, 0 = off; top_ps (S,) float, 1 = off
-        if noise is None:
+        # logits (S, V); temperatures (S,), None when every row is greedy; noise (S, V) float32 ~ Exp(1) when
+        # some row is seeded, else None (drawn while sampling); top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
+        if temperatures is None:
             return logits.argmax(-1)  # (S,)
         if top_ks is None and top_ps is None:
             return race_sample(logits, temperatures, noise)

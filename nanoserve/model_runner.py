@@ -174,9 +174,10 @@ class ModelRunner:
                              cu_seqlens_q=cu, cu_seqlens_k=cu)
         logits = self.forward(inputs)
         if self.rank == 0:  # compile the sampler now, for one row and for many, not during the first requests
-            for rows in (1, 2):
-                self.sampler(logits[:rows], torch.ones(rows, device=self.device),
-                             torch.ones(logits[:rows].shape, device=self.device))
+            for rows in (1, 2):  # noise drawn while sampling, and noise given (seeded rows)
+                temperatures, noise = torch.ones(rows, device=self.device), torch.ones_like(logits[:rows]).float()
+                self.sampler(logits[:rows], temperatures)
+                self.sampler(logits[:rows], temperatures, noise)
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------------
@@ -322,9 +323,10 @@ class ModelRunner:
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params = [seq.params for seq in seqs]
         d = self.device
-        temperatures = self._to_device(np.array([p.temperature for p in params], np.float32))
-        noise = None
+        temperatures = noise = None  # None: every row is greedy
         if any(p.temperature > 0 for p in params):
+            temperatures = self._to_device(np.array([p.temperature for p in params], np.float32))
+        if any(p.temperature > 0 and p.seed is not None for p in params):  # else the sampler draws the noise
             noise = torch.empty(logits.shape, dtype=torch.float32, device=d).exponential_()  # (S, V) ~ Exp(1)
             for i, seq in enumerate(seqs):
                 if seq.params.seed is not None:  # seeded: noise depends only on the seed and the position
@@ -336,11 +338,8 @@ class ModelRunner:
         token_ids = self.sampler(logits, temperatures, noise, top_ks, top_ps)  # (S,) int64
         if d.type == "cpu":
             return StepOutput(token_ids, token_ids)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return StepOutput(token_ids, host, copied)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True).copy_(token_ids, non_blocking=True)
+        return StepOutput(token_ids, host, copied=torch.cuda.current_stream().record_event())
 
     def run(self, batch: Batch, prev: tuple[Batch, StepOutput] | None = None) -> StepOutput:
         """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns without
