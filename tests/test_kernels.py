@@ -4,7 +4,8 @@ CPU (CI): the Triton kernels run under Triton's interpreter. Triton reads TRITON
 imported (its own tl.sum / tl.max are @triton.jit functions built then), so one process cannot hold both
 compiled and interpreted kernels. The *_interpreted tests therefore run only in a process started with
 TRITON_INTERPRET=1; in any other run, test_kernels_under_triton_interpreter starts such a child process
-for them. GPU tests carry the `gpu` marker and skip without CUDA.
+for them. The kernels are also compiled for a Hopper GPU (sm_90) on the CPU, which catches what only the GPU
+compiler rejects. GPU tests carry the `gpu` marker and skip without CUDA.
 Run: `python -m pytest -q tests/test_kernels.py` (CPU, GPU tests skip), `... -m gpu` on a GPU machine.
 """
 
@@ -280,6 +281,51 @@ def test_default_num_splits() -> None:
         assert kernels.default_num_splits(1, 8, 256, cuda) == kernels.MAX_SPLITS
         assert kernels.default_num_splits(1, 8, 3, cuda) == 3  # never more splits than block-table columns
         assert 1 < kernels.default_num_splits(32, 8, 256, cuda) < kernels.MAX_SPLITS
+
+
+# ------------------------------------------------------------------------------------------------------
+# CPU: the kernels compile for a Hopper GPU (Triton's front end and ptxas, no GPU needed)
+# ------------------------------------------------------------------------------------------------------
+
+POINTER_TYPES = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cos_sin_ptr": "*fp32", "positions_ptr": "*i64",
+                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "num_common_ptr": "*i32",
+                 "slot_mapping_ptr": "*i32"}  # every other pointer holds the model dtype
+SM90_CASES = [  # (kernel name, constexpr arguments): the variants the engine launches for Qwen3-0.6B's heads
+    ("_rotary_store_kernel", dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
+    ("_rotary_store_kernel", dict(H=9, H_PAD=16, HKV=3, HKV_PAD=4, HEAD_DIM=64, QK_NORM=False, STORE=False)),
+    ("_paged_decode_kernel", dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
+                                  NUM_STAGES=3, CASCADE=True, SINGLE_SPLIT=True)),
+    ("_paged_decode_kernel", dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
+                                  NUM_STAGES=3, CASCADE=False, SINGLE_SPLIT=False)),
+    ("_cascade_prefix_kernel", dict(GROUP=2, ROWS=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4, NUM_STAGES=3)),
+    ("_merge_splits_kernel", dict(HEAD_DIM=128, SPLITS_PAD=8)),
+]
+
+
+def argument_type(name: str) -> str:
+    """Triton's type of a kernel argument that is not a constexpr, from its name."""
+    if name.endswith("_ptr"):
+        return POINTER_TYPES.get(name, "*bf16")
+    return "fp32" if name in ("qk_scale", "eps") else "i32"
+
+
+@pytest.mark.skipif(kernels._INTERPRETED, reason="the interpreter replaces the kernels' compiler")
+@pytest.mark.parametrize("name, constexprs", SM90_CASES)
+def test_kernel_compiles_for_sm90(name: str, constexprs: dict) -> None:
+    """Compile a kernel to a cubin for compute capability 9.0 on this CPU machine: a kernel that only the
+    GPU compiler rejects (the interpreter runs plain Python) fails here in CI, not on the GPU machine."""
+    import triton
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this Triton cannot compile ahead of time: {e}")
+    kernel = getattr(kernels, name)
+    signature = {p.name: "constexpr" if p.is_constexpr else argument_type(p.name) for p in kernel.params}
+    indices = {p.name: i for i, p in enumerate(kernel.params)}
+    source = ASTSource(kernel, signature, constexprs={(indices[n],): v for n, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
 
 
 # ------------------------------------------------------------------------------------------------------
