@@ -175,7 +175,8 @@ class ModelRunner:
         logits = self.forward(inputs)
         if self.rank == 0:  # compile the sampler now, for one row and for many, not during the first requests
             for rows in (1, 2):  # noise drawn while sampling, and noise given (seeded rows)
-                temperatures, noise = torch.ones(rows, device=self.device), torch.ones_like(logits[:rows]).float()
+                temperatures = torch.ones(rows, device=self.device)
+                noise = torch.ones(rows, logits.shape[1], device=self.device)  # (rows, V) float32, as sample makes
                 self.sampler(logits[:rows], temperatures)
                 self.sampler(logits[:rows], temperatures, noise)
         torch.cuda.synchronize()
@@ -289,9 +290,9 @@ class ModelRunner:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, cascade) -> graph
         pool = None
         for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_bs]):  # largest first: others reuse its pool
+            b = {name: buf[:bs] for name, buf in self.graph_buffers.items()}
             for cascade in {False, self.use_cascade(bs)}:  # a cascade graph only where cascade may be used
                 graph = torch.cuda.CUDAGraph()
-                b = {name: buf[:bs] for name, buf in self.graph_buffers.items()}
                 ctx = ForwardContext(is_prefill=False, slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
                                      block_tables=b["block_tables"],
                                      num_common_blocks=b["num_common_blocks"] if cascade else None)
