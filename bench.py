@@ -8,7 +8,8 @@ exactly its max_tokens:
       Qwen3-0.6B's shapes with random bf16 weights, built and saved on this machine (no download).
   w2  shared prefix. 256 requests = one 1,024-token system prefix + randint(32, 128) own tokens,
       128 output tokens each; nanoserve runs twice, prefix caching on and off.
-Throughput = sum of max_tokens / wall time of the whole run (prefill included), after a warm-up.
+Throughput = sum of max_tokens / wall time of the whole run (prefill included), after a warm-up: each engine
+first runs, untimed, as many random prompts of the same lengths for 1-16 tokens (warmup_workload).
 
 Engines, one after the other in this process (each freed before the next starts):
   nanoserve  LLM.generate over all requests at once.
@@ -57,7 +58,8 @@ import torch
 
 TEMPERATURE = 0.6          # nano-vllm's bench.py samples at 0.6; all engines use the same
 MAX_NUM_SEQS = 512         # nanoserve's default batch limit, used by the roofline schedule
-WARMUP_PROMPT = list(range(1, 17))
+WARMUP_SEED = 1_000        # warm-up prompts: random, so they share no prefix with the timed ones
+WARMUP_MAX_OUTPUT = 16     # warm-up requests generate 1 to this many tokens
 CB_STALL_S = 600           # hf-cb: give up when no request finishes for this long
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
@@ -104,6 +106,14 @@ def make_w1(num_seqs: int = 256, min_input_len: int = 100, max_input_len: int = 
     desc = (f"{num_seqs} random prompts of {min_input_len}-{max_input_len} tokens, "
             f"{min_output_len}-{max_output_len} output tokens, ignore_eos")
     return Workload("w1", desc, prompts, output_lens)
+
+
+def warmup_workload(wl: Workload) -> Workload:
+    """What each engine runs, untimed, before a workload: as many requests, random prompts of the workload's
+    length range (as long, so prefill runs in the same chunks) and 1-16 output tokens, so batches shrink through
+    the same sizes. First-time work (kernel loading, compilation, allocations) happens here, not in the timing."""
+    lens = list(map(len, wl.prompts))
+    return make_w1(len(lens), min(lens), max(lens), 1, WARMUP_MAX_OUTPUT, seed=WARMUP_SEED)
 
 
 def make_w2(num_seqs: int = 256, prefix_len: int = 1024, min_own: int = 32, max_own: int = 128,
@@ -257,13 +267,15 @@ def short_tokens(lengths: list[int], wanted: list[int]) -> str:
 def run_nanoserve(model_dir: str, wl: Workload, args: argparse.Namespace, device: str,
                   prefix_caching: bool = True) -> tuple[float, str]:
     from nanoserve import LLM, SamplingParams
-    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    def params(w: Workload) -> list[SamplingParams]:
+        return [SamplingParams(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True) for n in w.output_lens]
     max_len = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
     with LLM(model_dir, enforce_eager=args.eager, enable_prefix_caching=prefix_caching,
              tensor_parallel_size=args.tp, max_model_len=max(4096, max_len), device=device) as llm:
-        llm.generate([WARMUP_PROMPT], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+        warm = warmup_workload(wl)
+        llm.generate(warm.prompts, params(warm), use_tqdm=False)
         start = time.perf_counter()
-        outs = llm.generate(wl.prompts, params, use_tqdm=False)
+        outs = llm.generate(wl.prompts, params(wl), use_tqdm=False)
         seconds = time.perf_counter() - start
     return seconds, short_tokens([len(o["token_ids"]) for o in outs], wl.output_lens)
 
@@ -285,7 +297,9 @@ def hf_generate_batch(model, prompts: list[list[int]], num_new: int, pad_id: int
 def run_hf(model_dir: str, wl: Workload, args: argparse.Namespace, device: str) -> tuple[float, str]:
     model = load_hf_model(model_dir, "sdpa", device)
     pad_id, bs = pad_token_id(model), args.hf_batch_size
-    hf_generate_batch(model, [WARMUP_PROMPT] * 2, 4, pad_id)              # warm-up
+    warm = warmup_workload(wl)
+    for i in range(0, len(warm.prompts), bs):
+        hf_generate_batch(model, warm.prompts[i:i + bs], max(warm.output_lens[i:i + bs]), pad_id)
     lengths, start = [], time.perf_counter()
     for i in range(0, len(wl.prompts), bs):
         want = wl.output_lens[i:i + bs]
@@ -347,8 +361,10 @@ def run_hf_cb(model_dir: str, wl: Workload, args: argparse.Namespace, device: st
     log(f"  hf-cb settings: {getattr(mgr, 'continuous_batching_config', 'n/a')}")
     mgr.start()
     try:
-        mgr.add_request(WARMUP_PROMPT, request_id="warmup", max_new_tokens=16)  # also allocates the cache
-        collect_cb(mgr, {"warmup"})
+        warm = warmup_workload(wl)  # its first request also allocates the cache
+        for i, (prompt, n) in enumerate(zip(warm.prompts, warm.output_lens)):
+            mgr.add_request(prompt, request_id=f"warmup_{i}", max_new_tokens=n)
+        collect_cb(mgr, {f"warmup_{i}" for i in range(len(warm.prompts))})
         ids = [f"req_{i}" for i in range(len(wl.prompts))]
         start = time.perf_counter()
         for rid, prompt, n in zip(ids, wl.prompts, wl.output_lens):

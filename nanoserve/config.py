@@ -119,4 +119,6 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -264,6 +264,62 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Sampling by inverting the CDF: one uniform u per row, and the token where the row's cumulative softmax
+# probability first exceeds u. Two kernels, so nothing scans a whole row in order: per chunk of SAMPLE_CHUNK
+# logits, its max, where it is, and its softmax mass (a (rows, chunks) grid that reads the logits once); then
+# per row, the chunk where the cumulative mass passes u, and the token inside that chunk.
+# ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _chunk_stats_kernel(logits_ptr, temperatures_ptr, top_ptr, top_index_ptr, mass_ptr, vocab, row_stride,
+                        num_chunks, CHUNK: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    t = tl.load(temperatures_ptr + row)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,) token ids
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + offs, mask=offs < vocab, other=float("-inf"))
+    x = x.to(tl.float32) / tl.where(t > 0, t, 1.0)  # greedy rows (T = 0) keep their logits: argmax only
+    top = tl.maximum(tl.max(x, axis=0), -3.0e38)  # finite: a chunk of only -inf (masked) gets mass 0, not NaN
+    stats = row * num_chunks + chunk
+    tl.store(top_ptr + stats, top)
+    tl.store(top_index_ptr + stats, chunk * CHUNK + tl.argmax(x, axis=0))  # the first max, as torch's argmax
+    tl.store(mass_ptr + stats, tl.sum(tl.exp(x - top), axis=0))
+
+
+@triton.jit
+def _first_above(cumulative, target, weights, index):
+    """The first index whose cumulative weight exceeds target, never one of weight 0 (rounding can put target
+    at or past the total: then the last index of positive weight)."""
+    first = tl.sum((cumulative <= target).to(tl.int32), axis=0)
+    return tl.minimum(first, tl.max(tl.where(weights > 0, index, 0), axis=0))
+
+
+@triton.jit
+def _pick_token_kernel(logits_ptr, temperatures_ptr, uniforms_ptr, top_ptr, top_index_ptr, mass_ptr, tokens_ptr,
+                       vocab, row_stride, num_chunks, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.load(temperatures_ptr + row)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    stats = row * num_chunks + chunks
+    top = tl.load(top_ptr + stats, mask=chunks < num_chunks, other=-3.0e38)  # (CHUNKS_PAD,)
+    mass = tl.load(mass_ptr + stats, mask=chunks < num_chunks, other=0.0)
+    best = tl.argmax(top, axis=0)  # the chunk of the row's max
+    row_max = tl.max(top, axis=0)
+    weights = mass * tl.exp(top - row_max)  # (CHUNKS_PAD,) each chunk's mass, relative to the row max
+    cumulative = tl.cumsum(weights, axis=0)
+    target = tl.load(uniforms_ptr + row) * tl.max(cumulative, axis=0)
+    chunk = _first_above(cumulative, target, weights, chunks)
+    chunk_top = tl.sum(tl.where(chunks == chunk, top, 0.0), axis=0)
+    target -= tl.sum(tl.where(chunks == chunk, cumulative - weights, 0.0), axis=0)  # what is left in the chunk
+    offs = tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + chunk * CHUNK + offs,
+                mask=chunk * CHUNK + offs < vocab, other=float("-inf"))
+    inside = tl.exp(x.to(tl.float32) / tl.where(t > 0, t, 1.0) - chunk_top)  # (CHUNK,) relative to the chunk max
+    token = chunk * CHUNK + _first_above(tl.cumsum(inside, axis=0), target / tl.exp(chunk_top - row_max), inside, offs)
+    greedy = tl.load(top_index_ptr + row * num_chunks + best)
+    tl.store(tokens_ptr + row, tl.where(t > 0, token, greedy))
+
+
 # True when TRITON_INTERPRET=1 was set at import: the kernels above were built by the interpreter and run on
 # CPU tensors (slowly), which is how CI tests them. Read once, the same moment triton.jit made that choice.
 _INTERPRETED = not isinstance(_rotary_store_kernel, triton.runtime.jit.JITFunction)
@@ -510,16 +566,71 @@ def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return out
 
 
-def gather_kv(k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_k: Tensor,
-              num_tokens: int | None = None) -> tuple[Tensor, Tensor]:
-    """The first Lk_s cached tokens of each sequence s, packed (Nk, Hkv, D), for a prefill with prefix hits.
-    num_tokens = Nk = cu_seqlens_k[-1]; passing it from the host saves a device-to-host sync per layer."""
-    _, B, Hkv, D = k_cache.shape
-    assert block_tables.shape[0] == cu_seqlens_k.shape[0] - 1 and v_cache.shape == k_cache.shape
+def context_slots(block_tables: Tensor, cu_seqlens_k: Tensor, block_size: int,
+                  num_tokens: int | None = None) -> Tensor:
+    """Cache slot of each of the first Lk_s tokens of every sequence s, packed (Nk,) int64: where a prefill with
+    prefix hits reads its context's K/V (gather_kv). Computed once per step, then used by every layer.
+    num_tokens = Nk = cu_seqlens_k[-1]; passing it from the host saves a device-to-host sync."""
+    assert block_tables.shape[0] == cu_seqlens_k.shape[0] - 1
     if num_tokens is None:
-        num_tokens = int(cu_seqlens_k[-1])  # host sync: prefill is eager, never graph-captured
-    token = torch.arange(num_tokens, dtype=cu_seqlens_k.dtype, device=k_cache.device)  # (Nk,)
+        num_tokens = int(cu_seqlens_k[-1])  # host sync
+    token = torch.arange(num_tokens, dtype=cu_seqlens_k.dtype, device=block_tables.device)  # (Nk,)
     seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)  # (Nk,) the sequence of each packed token
     pos = (token - cu_seqlens_k[seq]).long()  # (Nk,) its position within that sequence
-    slot = block_tables[seq, pos // B].long() * B + pos % B  # slot = block_id * B + offset
-    return k_cache.view(-1, Hkv, D)[slot], v_cache.view(-1, Hkv, D)[slot]  # (Nk, Hkv, D) each
+    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size  # block_id * B + offset
+
+
+def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V (Nk, Hkv, D) of the cache slots (Nk,): a prefill's whole context, packed, for prefix hits."""
+    Hkv, D = k_cache.shape[2:]
+    return k_cache.view(-1, Hkv, D)[slots], v_cache.view(-1, Hkv, D)[slots]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------------------
+SAMPLE_CHUNK = 2048  # logits per chunk: 75 chunks for Qwen's 151,936 tokens
+
+
+def sample(logits: Tensor, temperatures: Tensor, uniforms: Tensor) -> Tensor:
+    """One draw per row of logits (S, V) from softmax(logits / T), the argmax (first one) where T = 0: the token
+    where the cumulative probability first exceeds uniforms (S,) float32 in [0, 1). temperatures (S,) float32.
+    One random number per row, none per logit, no host sync. Returns (S,) int64."""
+    if not _use_triton(logits):
+        return sample_ref(logits, temperatures, uniforms)
+    (S, V), K = logits.shape, SAMPLE_CHUNK
+    assert logits.stride(1) == 1 and temperatures.shape == uniforms.shape == (S,)
+    C = triton.cdiv(V, K)
+    top, mass = (torch.empty(S, C, dtype=torch.float32, device=logits.device) for _ in range(2))  # (S, C)
+    top_index = torch.empty(S, C, dtype=torch.int64, device=logits.device)
+    out = torch.empty(S, dtype=torch.int64, device=logits.device)
+    _chunk_stats_kernel[(S, C)](logits, temperatures, top, top_index, mass, V, logits.stride(0), C, CHUNK=K)
+    _pick_token_kernel[(S,)](logits, temperatures, uniforms, top, top_index, mass, out, V, logits.stride(0), C,
+                             CHUNKS_PAD=triton.next_power_of_2(C), CHUNK=K)
+    return out
+
+
+def first_above_ref(cumulative: Tensor, target: Tensor, weights: Tensor) -> Tensor:
+    """Per row, _first_above: the first index whose cumulative weight exceeds target, never one of weight 0."""
+    index = torch.arange(weights.shape[-1], device=weights.device)
+    last_positive = torch.where(weights > 0, index, 0).amax(-1)  # (S,)
+    return torch.minimum((cumulative <= target.unsqueeze(-1)).sum(-1), last_positive)
+
+
+def sample_ref(logits: Tensor, temperatures: Tensor, uniforms: Tensor) -> Tensor:
+    """sample() in torch, chunk for chunk the same steps as the two kernels."""
+    S, K = logits.shape[0], SAMPLE_CHUNK
+    rows = torch.arange(S, device=logits.device)
+    x = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # (S, V)
+    x = F.pad(x, (0, -x.shape[1] % K), value=float("-inf")).view(S, -1, K)  # (S, C, K)
+    top, top_index = x.amax(-1).clamp(min=-3.0e38), x.argmax(-1)  # (S, C); argmax: the first max, as the kernel
+    best = top.argmax(-1)  # (S,)
+    row_max = top[rows, best].unsqueeze(1)  # (S, 1)
+    weights = (x - top.unsqueeze(-1)).exp().sum(-1) * (top - row_max).exp()  # (S, C)
+    cumulative = weights.cumsum(-1)
+    target = uniforms * cumulative[:, -1]  # (S,)
+    chunk = first_above_ref(cumulative, target, weights)
+    target = target - (cumulative - weights)[rows, chunk]
+    inside = (x[rows, chunk] - top[rows, chunk].unsqueeze(1)).exp()  # (S, K)
+    token = chunk * K + first_above_ref(inside.cumsum(-1), target / (top[rows, chunk] - row_max[:, 0]).exp(), inside)
+    return torch.where(temperatures > 0, token, best * K + top_index[rows, best])  # (S,)

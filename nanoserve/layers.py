@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.kernels import gather_kv, paged_decode, prefill_attention, rms_norm_ref, rotary_and_store
+from nanoserve.kernels import gather_kv, paged_decode, prefill_attention, rms_norm_ref, rotary_and_store, sample
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -39,10 +39,9 @@ class ForwardContext:
     cu_seqlens_k: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's whole context
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    num_context_tokens: int = 0  # prefill: cu_seqlens_k[-1], known on the host (no sync to read it)
-    prefix_hit: bool = False  # prefill: some context is already cached, so K/V are gathered from the cache
+    context_slots: Tensor | None = None  # (Nk,) int64 prefill with prefix hits: cache slot of every context token
     context_lens: Tensor | None = None  # (S,) int32 decode: tokens in the cache per sequence
-    block_tables: Tensor | None = None  # (S, max_blocks) int32: KV block ids of each sequence
+    block_tables: Tensor | None = None  # (S, max_blocks) int32 decode: KV block ids of each sequence
     num_common_blocks: Tensor | None = None  # (1,) int32 decode: leading blocks every sequence shares (cascade)
     logits_indices: Tensor | None = None  # (S,) prefill: the last new token of each sequence
 
@@ -230,9 +229,8 @@ class Attention(nn.Module):
         # the profiling run before the cache exists passes empty caches: no store
         q, k = rotary_and_store(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping, qk_norm)
         if ctx.is_prefill:
-            if ctx.prefix_hit:  # cached prefix tokens are not in k/v: read every context token from the cache
-                k, v = gather_kv(self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_k,
-                                 ctx.num_context_tokens)  # (Nk, Hkv, D)
+            if ctx.context_slots is not None:  # cached prefix tokens are not in k/v: read all context from the cache
+                k, v = gather_kv(self.k_cache, self.v_cache, ctx.context_slots)  # (Nk, Hkv, D)
             o = prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                   ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
         else:  # on the CPU paged_decode runs its reference, for which num_common_blocks changes nothing
@@ -242,33 +240,20 @@ class Attention(nn.Module):
 
 
 # ---- sampling --------------------------------------------------------------------------------------------
-@gpu_compiled
-def race_sample(logits: Tensor, temperatures: Tensor, noise: Tensor | None = None) -> Tensor:
-    """One draw per row from softmax(logits / T), argmax where T = 0. The exponential race: with E ~ Exp(1),
-    argmax(p / E) is a draw from p, with no host sync; and since softmax only rescales a row,
-    argmax(logits / T - log E) is the same draw without computing the softmax (one fused pass on the GPU).
-    noise (S, V) holds E when given (seeded rows); else E = -log U is drawn here, U uniform in [0, 1), and on
-    the GPU inside that same pass, so no (S, V) noise tensor is ever written (156 MB at 256 x 151,936).
-    U = 0 gives E = inf, and that token loses (a chance of about 1e-7 per logit)."""
-    log_e = noise.log() if noise is not None else (-torch.rand_like(logits, dtype=torch.float32).log()).log()
-    scores = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1) - log_e  # (S, V)
-    return torch.where(temperatures == 0, logits.argmax(-1), scores.argmax(-1))  # (S,)
-
-
 class Sampler(nn.Module):
     """One token per row of logits, each row with its own temperature, top-k and top-p."""
 
-    def forward(self, logits: Tensor, temperatures: Tensor | None, noise: Tensor | None = None,
+    def forward(self, logits: Tensor, temperatures: Tensor | None, uniforms: Tensor | None = None,
                 top_ks: Tensor | None = None, top_ps: Tensor | None = None) -> Tensor:
-        # logits (S, V); temperatures (S,), None when every row is greedy; noise (S, V) float32 ~ Exp(1) when
-        # some row is seeded, else None (drawn while sampling); top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
+        # logits (S, V); temperatures (S,), None when every row is greedy; uniforms (S,) float32 in [0, 1), one
+        # per row, needed with temperatures; top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
         if temperatures is None:
             return logits.argmax(-1)  # (S,)
         if top_ks is None and top_ps is None:
-            return race_sample(logits, temperatures, noise)
+            return sample(logits, temperatures, uniforms)
         scaled = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1)  # (S, V)
         masked = self.mask_top_k_top_p(scaled, top_ks, top_ps)  # the top token always survives: greedy rows hold
-        return race_sample(masked, (temperatures > 0).float(), noise)  # already scaled: T = 1, or 0 for greedy
+        return sample(masked, (temperatures > 0).float(), uniforms)  # already scaled: T = 1, or 0
 
     @staticmethod
     def mask_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:

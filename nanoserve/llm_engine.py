@@ -158,9 +158,9 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], Batch]:
         """Run one batch and record its tokens; return the sequences that finished, and the batch.
 
-        Overlap: while a decode step runs on the GPU, the next one is scheduled, prepared and launched
-        (scheduler.schedule_ahead), and only then does the host wait for this step's tokens. So the GPU
-        never idles on the host between decode steps."""
+        Overlap: while a step runs on the GPU, the next one (a decode after a decode, a prefill after a
+        prefill) is scheduled, prepared and launched (scheduler.schedule_ahead), and only then does the host
+        wait for this step's tokens. So the GPU does not idle on the host between such steps."""
         if self.config.trace:  # block counts of this call: with overlap, those of the step scheduled ahead too
             stats_before = self._counters()
         if self.ahead is not None:
@@ -171,7 +171,7 @@ class LLMEngine:
         nxt = self.scheduler.schedule_ahead(batch) if self.overlap else None
         try:
             if nxt is not None:
-                self.ahead = (nxt, self.model_runner.run(nxt, prev=(batch, out)))
+                self.ahead = (nxt, self.model_runner.run(nxt, prev=None if nxt.is_prefill else (batch, out)))
             finished = self.scheduler.postprocess(batch, out.tolist())
         except BaseException:
             if nxt is not None:  # the step ahead will never be postprocessed: drop its PENDING tokens
@@ -220,14 +220,17 @@ class LLMEngine:
                              "prompt, or a single SamplingParams for all")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]  # validate all first
         try:
-            self._run_to_completion(seqs, use_tqdm)
+            texts = self._run_to_completion(seqs, use_tqdm)
         except BaseException:
             self.abort(seqs)
             raise
-        return [{"text": self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
-                 "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason} for seq in seqs]
+        return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason}
+                for seq in seqs]
 
-    def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool) -> None:
+    def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool) -> dict[int, str]:
+        """Step until every one of seqs finishes; returns their texts by seq_id, each decoded as its sequence
+        finishes, while the GPU already runs the step after (with overlap), not all at the end."""
+        texts: dict[int, str] = {}
         for seq in seqs:
             self.scheduler.add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
@@ -241,8 +244,11 @@ class LLMEngine:
                 tok_s[kind] = sum(batch.num_new_tokens) / max(time.perf_counter() - t, 1e-9)
                 bar.set_postfix_str(f"prefill {tok_s['prefill']:,.0f} tok/s, decode {tok_s['decode']:,.0f} tok/s",
                                     refresh=False)
-                pending -= {seq.seq_id for seq in finished}
-                bar.update(len(finished))
+                for seq in finished:
+                    if seq.seq_id in pending:
+                        pending.remove(seq.seq_id)
+                        texts[seq.seq_id] = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                        bar.update(1)
             if self.ahead is not None:  # a step launched for sequences that turned out finished (EOS)
                 (batch, out), self.ahead = self.ahead, None
                 self.scheduler.postprocess(batch, out.tolist())
@@ -251,6 +257,7 @@ class LLMEngine:
                 self.scheduler.cancel_ahead(self.ahead[0])
                 self.ahead = None
             bar.close()
+        return texts
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nanoserve.config import Config
+from nanoserve.kernels import context_slots
 from nanoserve.layers import ForwardContext, Sampler, forward_context
 from nanoserve.models import DecoderModel
 from nanoserve.scheduler import Batch
@@ -100,6 +101,7 @@ class ModelRunner:
         self.shm = SharedMemory(shm_name) if shm_name else None
         self.wakeups = wakeups or []  # rank 0: one per worker; a worker: its own
         self.prev_token_ids: Tensor | None = None  # (S,) the last step's samples, on the device (see run)
+        self.rng = np.random.default_rng()  # the sampler's uniforms for unseeded rows
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:  # NCCL between GPUs, gloo between CPU processes; same code either way
@@ -174,11 +176,8 @@ class ModelRunner:
                              cu_seqlens_q=cu, cu_seqlens_k=cu)
         logits = self.forward(inputs)
         if self.rank == 0:  # compile the sampler now, for one row and for many, not during the first requests
-            for rows in (1, 2):  # noise drawn while sampling, and noise given (seeded rows)
-                temperatures = torch.ones(rows, device=self.device)
-                noise = torch.ones(rows, logits.shape[1], device=self.device)  # (rows, V) float32, as sample makes
-                self.sampler(logits[:rows], temperatures)
-                self.sampler(logits[:rows], temperatures, noise)
+            for rows in (1, 2):
+                self.sampler(logits[:rows], torch.ones(rows, device=self.device), torch.zeros(rows, device=self.device))
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------------
@@ -188,8 +187,8 @@ class ModelRunner:
     def prepare_prefill(self, batch: Batch) -> BatchInputs:
         input_ids, positions, slot_mapping = [], [], []
         cu_q, cu_k = [0], [0]
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        for seq, start, num_new in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            end = start + num_new
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += token_slots(seq.block_table, start, end, self.block_size)
@@ -262,11 +261,14 @@ class ModelRunner:
         d = self._to_device
         if inputs.is_prefill:
             cu_q, cu_k = inputs.cu_seqlens_q, inputs.cu_seqlens_k
-            return ForwardContext(
+            ctx = ForwardContext(
                 is_prefill=True, slot_mapping=d(inputs.slot_mapping), cu_seqlens_q=d(cu_q), cu_seqlens_k=d(cu_k),
                 max_seqlen_q=int(np.diff(cu_q).max()), max_seqlen_k=int(np.diff(cu_k).max()),
-                num_context_tokens=int(cu_k[-1]), prefix_hit=inputs.block_tables is not None,
-                block_tables=d(inputs.block_tables), logits_indices=d(cu_q[1:].astype(np.int64) - 1))
+                logits_indices=d(cu_q[1:].astype(np.int64) - 1))
+            if inputs.block_tables is not None:  # prefix hits: slots computed once per step, used by every layer
+                ctx.context_slots = context_slots(d(inputs.block_tables), ctx.cu_seqlens_k, self.block_size,
+                                                  int(cu_k[-1]))
+            return ctx
         common = np.array([inputs.num_common_blocks], np.int32) if inputs.num_common_blocks else None
         return ForwardContext(is_prefill=False, slot_mapping=d(inputs.slot_mapping),
                               context_lens=d(inputs.context_lens), block_tables=d(inputs.block_tables),
@@ -321,22 +323,22 @@ class ModelRunner:
         return buf["hidden"][:bs]
 
     # ---- sampling (rank 0) --------------------------------------------------------------------------
+    @torch.inference_mode()  # as in warmup: a change of grad mode would make torch.compile compile the sampler again
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params = [seq.params for seq in seqs]
         d = self.device
-        temperatures = noise = None  # None: every row is greedy
+        temperatures = uniforms = None  # None: every row is greedy
         if any(p.temperature > 0 for p in params):
             temperatures = self._to_device(np.array([p.temperature for p in params], np.float32))
-        if any(p.temperature > 0 and p.seed is not None for p in params):  # else the sampler draws the noise
-            noise = torch.empty(logits.shape, dtype=torch.float32, device=d).exponential_()  # (S, V) ~ Exp(1)
+            u = self.rng.random(len(seqs), np.float32)  # (S,) one uniform per row: what the sampler inverts
             for i, seq in enumerate(seqs):
-                if seq.params.seed is not None:  # seeded: noise depends only on the seed and the position
-                    gen = torch.Generator(d).manual_seed(seq.params.seed * 1_000_003 + seq.num_tokens)
-                    noise[i].exponential_(generator=gen)
+                if seq.params.seed is not None:  # seeded: u depends only on the seed and the position
+                    u[i] = np.random.default_rng((seq.params.seed, seq.num_tokens)).random(dtype=np.float32)
+            uniforms = self._to_device(u)
         top_ks = self._to_device(np.array([p.top_k for p in params])) if any(p.top_k for p in params) else None
         top_ps = (self._to_device(np.array([p.top_p for p in params], np.float32))
                   if any(p.top_p < 1 for p in params) else None)
-        token_ids = self.sampler(logits, temperatures, noise, top_ks, top_ps)  # (S,) int64
+        token_ids = self.sampler(logits, temperatures, uniforms, top_ks, top_ps)  # (S,) int64
         if d.type == "cpu":
             return StepOutput(token_ids, token_ids)
         host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True).copy_(token_ids, non_blocking=True)

@@ -10,7 +10,7 @@ Invariant: a sequence is in exactly one of `waiting`, `running`, or finished.
 Called by: llm_engine (add, schedule, postprocess).
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config
@@ -19,10 +19,12 @@ from nanoserve.sequence import PENDING, Sequence, SequenceStatus
 
 @dataclass
 class Batch:
-    """One step's work: seqs[i] computes num_new_tokens[i] tokens, starting at its num_computed_tokens."""
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens, starting at its num_computed_tokens; in a
+    prefill, at starts[i], which is further along for a chunk continued while its previous chunk still runs."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
+    starts: list[int] = field(default_factory=list)  # prefill: position of each sequence's first new token
 
 
 class Scheduler:
@@ -49,8 +51,9 @@ class Scheduler:
         assert batch.seqs, "nothing schedulable: a sequence larger than the KV cache slipped past validation"
         return batch
 
-    def _schedule_prefill(self) -> Batch:
-        """Take waiting prompts in order while the token budget, the batch size and the free blocks allow."""
+    def _schedule_prefill(self, in_flight: int = 0) -> Batch:
+        """Take waiting prompts in order while the token budget, the batch size and the free blocks allow.
+        in_flight: tokens of the first waiting prompt that a step still running computes (its last chunk)."""
         batch = Batch([], [], is_prefill=True)
         budget = self.max_num_batched_tokens
         # a finished prompt joins `running` at once, so len(running) counts this batch too
@@ -58,13 +61,15 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table and not self.block_manager.allocate(seq):
                 break  # not enough free blocks: wait for running sequences to finish
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            start, in_flight = seq.num_computed_tokens + in_flight, 0
+            num_new = min(seq.num_tokens - start, budget)
             # registered now, not after the step: later prompts of this batch reuse these blocks at once
-            self.block_manager.register_blocks(seq, seq.num_computed_tokens + num_new)
+            self.block_manager.register_blocks(seq, start + num_new)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.starts.append(start)
             budget -= num_new
-            if seq.num_computed_tokens + num_new < seq.num_tokens:
+            if start + num_new < seq.num_tokens:
                 break  # chunked: the rest of this prompt goes in the next step, still first in line
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -92,12 +97,18 @@ class Scheduler:
         return batch
 
     def schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The decode step after `batch`, scheduled while `batch` still runs on the GPU, so the host prepares
-        it meanwhile. batch's tokens are unknown yet: each sequence that goes on gets a PENDING token, which
-        postprocess(batch) fills in (the GPU reads the real one directly). A sequence that samples EOS is
-        found one step late, and that step's token is dropped. Only the plain case is scheduled ahead: a
-        decode with no prompt waiting and free blocks for everyone; otherwise None (the engine waits)."""
-        if batch.is_prefill or self.waiting:
+        """The step after `batch`, scheduled while `batch` still runs on the GPU, so the host prepares it
+        meanwhile. After a prefill, the next prefill while prompts wait: it needs none of batch's tokens, and
+        continues a chunked prompt past the chunk in flight. After a decode, the next decode: batch's tokens
+        are unknown yet, so each sequence that goes on gets a PENDING token, which postprocess(batch) fills in
+        (the GPU reads the real one directly); a sequence that samples EOS is found one step late, and that
+        step's token is dropped. Decodes go ahead only with no prompt waiting and free blocks for everyone.
+        None when nothing is scheduled ahead (the engine waits for batch's tokens first)."""
+        if batch.is_prefill:
+            chunk = batch.num_new_tokens[-1] if self.waiting and batch.seqs[-1] is self.waiting[0] else 0
+            nxt = self._schedule_prefill(in_flight=chunk) if self.waiting else None
+            return nxt if nxt and nxt.seqs else None
+        if self.waiting:
             return None
         seqs = [seq for seq in batch.seqs if not seq.is_finished and seq.num_output_tokens + 1 < seq.params.max_tokens]
         new_blocks = sum(self.block_manager.num_missing_blocks(seq, num_extra_tokens=1) for seq in seqs)
@@ -109,8 +120,14 @@ class Scheduler:
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
     def cancel_ahead(self, batch: Batch) -> None:
-        """Forget a step scheduled ahead that will never be postprocessed (its predecessor failed): drop the
-        PENDING tokens. A sequence keeps its blocks; whatever its lost steps computed is computed again."""
+        """Forget a step scheduled ahead that will never be postprocessed (its predecessor failed): prompts go
+        back to the front of the waiting queue, PENDING tokens are dropped. A sequence keeps its blocks;
+        whatever its lost steps computed is computed again."""
+        for seq in reversed(batch.seqs if batch.is_prefill else []):
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING:
                 seq.token_ids.pop()

@@ -143,6 +143,44 @@ def test_rotary_and_store_rejects_a_head_dim_not_a_power_of_two_interpreted() ->
         kernels.rotary_and_store(**args)
 
 
+def sample_case(S: int, V: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[torch.Tensor]:
+    """logits (S, V), temperatures, uniforms with the sampler's corner cases in the first rows."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(S, V, generator=gen) * 3
+    logits[1, :V // 2] = float("-inf")  # a masked row (top-k / top-p): the first chunks hold no probability
+    logits[3, [3, V - 1]] = 50.0  # a tie for the max, in the first and the last chunk: the first wins
+    temperatures = torch.rand(S, generator=gen) + 0.3
+    temperatures[::3] = 0  # every third row greedy
+    uniforms = torch.rand(S, generator=gen)
+    uniforms[4], uniforms[5] = 0.0, 1 - 2 ** -24  # either end of [0, 1)
+    return [logits.to(device, dtype), temperatures.to(device), uniforms.to(device)]
+
+
+def check_inverts_the_cdf(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
+                          tokens: torch.Tensor) -> None:
+    """Greedy rows took the (first) argmax; every other row a token of probability > 0 whose CDF interval,
+    computed in float64, holds u up to float32 rounding. Two correct samplers may differ at such edges."""
+    greedy = temperatures == 0
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
+    t = temperatures[~greedy].double().unsqueeze(1)
+    p = torch.softmax(logits[~greedy].double() / t, -1)  # (rows, V)
+    chosen = tokens[~greedy].unsqueeze(1)
+    hi = p.cumsum(-1).gather(1, chosen)[:, 0]
+    lo = hi - p.gather(1, chosen)[:, 0]
+    u = uniforms[~greedy].double()
+    assert (p.gather(1, chosen) > 0).all() and ((lo - 1e-5 <= u) & (u <= hi + 1e-5)).all()
+
+
+@interpreted
+@pytest.mark.parametrize("V", [64, 100])  # whole chunks, and a last chunk cut short
+def test_sample_interpreted(monkeypatch: pytest.MonkeyPatch, V: int) -> None:
+    monkeypatch.setattr(kernels, "SAMPLE_CHUNK", 16)
+    args = sample_case(12, V)
+    tokens = kernels.sample(*args)
+    check_inverts_the_cdf(*args, tokens)
+    check_inverts_the_cdf(*args, kernels.sample_ref(*args))  # the reference, under the same check
+
+
 def test_rotary_ref_rotates_pairs_by_position() -> None:
     """rotary_ref against the definition: pair (x[i], x[i + D/2]) turns by position * theta^(-2i/D)."""
     D, pos = 8, 5
@@ -289,7 +327,8 @@ def test_default_num_splits() -> None:
 
 POINTER_TYPES = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cos_sin_ptr": "*fp32", "positions_ptr": "*i64",
                  "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "num_common_ptr": "*i32",
-                 "slot_mapping_ptr": "*i32"}  # every other pointer holds the model dtype
+                 "slot_mapping_ptr": "*i32", "temperatures_ptr": "*fp32", "uniforms_ptr": "*fp32", "top_ptr": "*fp32",
+                 "mass_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}  # every other pointer holds the model dtype
 SM90_CASES = [  # (kernel name, constexpr arguments): the variants the engine launches for Qwen3-0.6B's heads
     ("_rotary_store_kernel", dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
     ("_rotary_store_kernel", dict(H=9, H_PAD=16, HKV=3, HKV_PAD=4, HEAD_DIM=64, QK_NORM=False, STORE=False)),
@@ -299,6 +338,8 @@ SM90_CASES = [  # (kernel name, constexpr arguments): the variants the engine la
                                   NUM_STAGES=3, CASCADE=False, SINGLE_SPLIT=False)),
     ("_cascade_prefix_kernel", dict(GROUP=2, ROWS=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4, NUM_STAGES=3)),
     ("_merge_splits_kernel", dict(HEAD_DIM=128, SPLITS_PAD=8)),
+    ("_chunk_stats_kernel", dict(CHUNK=2048)),
+    ("_pick_token_kernel", dict(CHUNKS_PAD=128, CHUNK=2048)),
 ]
 
 
@@ -367,7 +408,7 @@ def test_gather_kv() -> None:
     B, Hkv, D = 16, 2, 8
     lens = [5, 0, 17, 32]  # ragged, empty, crosses a block, exactly two blocks
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, torch.float32)
-    k, v = kernels.gather_kv(k_cache, v_cache, block_tables, cu_seqlens(lens))
+    k, v = kernels.gather_kv(k_cache, v_cache, kernels.context_slots(block_tables, cu_seqlens(lens), B))
     assert k.shape == v.shape == (sum(lens), Hkv, D)
     rows = [(s, t) for s, n in enumerate(lens) for t in range(n)]
     expect_k = torch.stack([k_cache[block_tables[s, t // B], t % B] for s, t in rows])
@@ -380,7 +421,7 @@ def test_paged_decode_ref_matches_prefill_ref() -> None:
     lens, B, Hkv, D, H = [1, 16, 23], 16, 2, 32, 6
     k_cache, v_cache, block_tables, ctx = make_paged_kv(lens, B, Hkv, D, torch.float32)
     q = torch.randn(len(lens), H, D)
-    k, v = kernels.gather_kv(k_cache, v_cache, block_tables, cu_seqlens(lens))
+    k, v = kernels.gather_kv(k_cache, v_cache, kernels.context_slots(block_tables, cu_seqlens(lens), B))
     one_query = cu_seqlens([1] * len(lens))  # each sequence's newest token is its only query
     prefill = kernels.prefill_attention_ref(q, k, v, one_query, cu_seqlens(lens), 1, max(lens), 0.2)
     torch.testing.assert_close(kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.2), prefill)
@@ -430,6 +471,16 @@ def check_paged_decode_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int
     ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     assert torch.all(out[3] == 0)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("S", [1, 64])
+def test_sample_gpu(S: int) -> None:
+    args = sample_case(max(S, 6), 151_936, torch.bfloat16, "cuda")  # Qwen's vocab: 75 chunks, the last cut short
+    args = [a[:S] for a in args]
+    check_inverts_the_cdf(*[a.float().cpu() for a in args], kernels.sample(*args).cpu())
+    check_inverts_the_cdf(*[a.float().cpu() for a in args], kernels.sample_ref(*args).cpu())
 
 
 @gpu

@@ -280,9 +280,10 @@ def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: i
         assert sum(batch.num_new_tokens) <= budget
     else:
         assert batch.num_new_tokens == [1] * len(batch.seqs)
-    for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-        assert num_new >= 1 and seq.num_computed_tokens + num_new <= seq.num_tokens
-        assert len(seq.block_table) * BS >= seq.num_computed_tokens + num_new  # slots for every new K/V
+    starts = batch.starts if batch.is_prefill else [seq.num_computed_tokens for seq in batch.seqs]
+    for seq, start, num_new in zip(batch.seqs, starts, batch.num_new_tokens):
+        assert num_new >= 1 and seq.num_computed_tokens <= start and start + num_new <= seq.num_tokens
+        assert len(seq.block_table) * BS >= start + num_new  # slots for every new K/V
     waiting, running = set(sched.waiting), set(sched.running)
     assert not waiting & running and len(waiting) == len(sched.waiting) and len(running) == len(sched.running)
     refs = [0] * len(bm.blocks)
@@ -367,7 +368,7 @@ def test_schedule_ahead_fills_placeholders_and_drops_the_token_after_eos(model_d
     for seq in (a, b):
         sched.add(seq)
     prefill, _ = step(sched)
-    assert sched.schedule_ahead(prefill) is None  # only a decode step is scheduled ahead
+    assert sched.schedule_ahead(prefill) is None  # no prompt waits: the first decode waits for the prefill's tokens
     decode = sched.schedule()
     ahead = sched.schedule_ahead(decode)  # b reaches max_tokens in `decode`: it does not go on
     assert ahead.seqs == [a] and a.token_ids[-1] == PENDING and a.num_tokens == 8
@@ -402,6 +403,44 @@ def test_later_prompt_of_the_same_prefill_batch_reuses_the_shared_prefix(model_d
     batch = sched.schedule()
     assert batch.seqs == [a, b] and batch.num_new_tokens == [10, 1]  # b computes only its own token
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+
+
+def test_prefill_scheduled_ahead_continues_the_chunk_in_flight(model_dir):
+    sched = make_scheduler(model_dir, max_num_batched_tokens=8)
+    a, b = make_seq(prompt(20)), make_seq(prompt(5, 100))
+    for seq in (a, b):
+        sched.add(seq)
+    first = sched.schedule()
+    assert first.seqs == [a] and first.starts == [0] and first.num_new_tokens == [8]
+    second = sched.schedule_ahead(first)  # a's tokens 0-7 are still in flight: the next chunk starts at 8
+    assert second.seqs == [a] and second.starts == [8] and second.num_new_tokens == [8]
+    assert sched.postprocess(first, [1]) == [] and a.num_computed_tokens == 8 and a.output_token_ids == []
+    third = sched.schedule_ahead(second)  # a's last 4 tokens, then b's first 4 of 5
+    assert third.seqs == [a, b] and third.starts == [16, 0] and third.num_new_tokens == [4, 4]
+    assert list(sched.waiting) == [b] and list(sched.running) == [a]
+    sched.postprocess(second, [1])
+    fourth = sched.schedule_ahead(third)
+    assert fourth.seqs == [b] and fourth.starts == [4] and fourth.num_new_tokens == [1]
+    sched.postprocess(third, [7, 1])
+    assert a.num_computed_tokens == 20 and a.output_token_ids == [7] and b.num_computed_tokens == 4
+    assert sched.schedule_ahead(fourth) is None  # no prompt waits any more
+    sched.postprocess(fourth, [9])
+    assert b.output_token_ids == [9] and not sched.waiting
+
+
+def test_a_prefill_scheduled_ahead_can_be_cancelled(model_dir):
+    sched = make_scheduler(model_dir, max_num_batched_tokens=8)
+    a, b, c = make_seq(prompt(10)), make_seq(prompt(3, 100)), make_seq(prompt(9, 200))
+    for seq in (a, b, c):
+        sched.add(seq)
+    first = sched.schedule()
+    ahead = sched.schedule_ahead(first)
+    assert ahead.seqs == [a, b, c] and ahead.starts == [8, 0, 0] and list(sched.waiting) == [c]
+    sched.cancel_ahead(ahead)  # the first prefill failed: a and b wait again, in order, with their blocks
+    assert list(sched.waiting) == [a, b, c] and not sched.running
+    assert all(seq.status == SequenceStatus.WAITING for seq in (a, b, c))
+    again = sched.schedule()  # nothing was recorded as computed: a runs again from its start
+    assert again.seqs == [a] and again.starts == [0] and again.num_new_tokens == [8]
 
 
 def test_a_step_scheduled_ahead_can_be_cancelled(model_dir):

@@ -24,6 +24,8 @@ from nanoserve.config import Config
     (dict(top_k=-1), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=1.5), "seed"),
 ])
 def test_sampling_params_rejects(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -33,7 +35,7 @@ def test_sampling_params_rejects(kwargs, word):
 def test_sampling_params_accepts_edges():
     sp = SamplingParams(temperature=0, top_p=1.0, top_k=0, max_tokens=1, stop_token_ids=[5, 6])
     assert sp.stop_token_ids == (5, 6)  # a list is stored as a tuple: the params stay hashable / frozen
-    SamplingParams(top_p=1e-6, top_k=1, temperature=2.5)
+    SamplingParams(top_p=1e-6, top_k=1, temperature=2.5, seed=0)
 
 
 # ---- Config -----------------------------------------------------------------------------------------
