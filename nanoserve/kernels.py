@@ -1,7 +1,7 @@
-"""GPU kernels of attention, each beside a plain-torch reference: rotary + KV store, paged decode, prefill.
+"""GPU kernels, each beside a plain-torch reference: rotary + KV store, paged decode, prefill, sampling.
 
-Owns the math on the paged KV cache and nothing else: layers.Attention picks what to call, model_runner
-builds the batch tensors. On CUDA the Triton kernels run; on CPU the references run, unless the kernels
+Owns the math on the paged KV cache and the sampler's draw, nothing else: layers.Attention and
+layers.Sampler pick what to call, model_runner builds the batch tensors. On CUDA the Triton kernels run; on CPU the references run, unless the kernels
 were built by Triton's interpreter (TRITON_INTERPRET=1 at import), which runs them on CPU tensors for CI.
 Invariant: kernels never sync with the host and launch a grid that depends only on shapes and arguments,
 so the decode step can be captured in a CUDA graph. Paged decode can also run as cascade attention: a prefix
@@ -610,27 +610,11 @@ def sample(logits: Tensor, temperatures: Tensor, uniforms: Tensor) -> Tensor:
     return out
 
 
-def first_above_ref(cumulative: Tensor, target: Tensor, weights: Tensor) -> Tensor:
-    """Per row, _first_above: the first index whose cumulative weight exceeds target, never one of weight 0."""
-    index = torch.arange(weights.shape[-1], device=weights.device)
-    last_positive = torch.where(weights > 0, index, 0).amax(-1)  # (S,)
-    return torch.minimum((cumulative <= target.unsqueeze(-1)).sum(-1), last_positive)
-
-
 def sample_ref(logits: Tensor, temperatures: Tensor, uniforms: Tensor) -> Tensor:
-    """sample() in torch, chunk for chunk the same steps as the two kernels."""
-    S, K = logits.shape[0], SAMPLE_CHUNK
-    rows = torch.arange(S, device=logits.device)
+    """sample() by its definition (CPU path and test oracle): the whole row's CDF, no chunks."""
     x = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # (S, V)
-    x = F.pad(x, (0, -x.shape[1] % K), value=float("-inf")).view(S, -1, K)  # (S, C, K)
-    top, top_index = x.amax(-1).clamp(min=-3.0e38), x.argmax(-1)  # (S, C); argmax: the first max, as the kernel
-    best = top.argmax(-1)  # (S,)
-    row_max = top[rows, best].unsqueeze(1)  # (S, 1)
-    weights = (x - top.unsqueeze(-1)).exp().sum(-1) * (top - row_max).exp()  # (S, C)
-    cumulative = weights.cumsum(-1)
-    target = uniforms * cumulative[:, -1]  # (S,)
-    chunk = first_above_ref(cumulative, target, weights)
-    target = target - (cumulative - weights)[rows, chunk]
-    inside = (x[rows, chunk] - top[rows, chunk].unsqueeze(1)).exp()  # (S, K)
-    token = chunk * K + first_above_ref(inside.cumsum(-1), target / (top[rows, chunk] - row_max[:, 0]).exp(), inside)
-    return torch.where(temperatures > 0, token, best * K + top_index[rows, best])  # (S,)
+    p = (x - x.amax(-1, keepdim=True)).exp()  # (S, V) unnormalized: the target scales with the total instead
+    cdf = p.cumsum(-1)
+    token = (cdf <= (uniforms * cdf[:, -1]).unsqueeze(1)).sum(-1)  # the first token whose CDF exceeds u
+    last_possible = torch.where(p > 0, torch.arange(p.shape[1], device=p.device), 0).amax(-1)  # rounding at u ~ 1
+    return torch.where(temperatures > 0, torch.minimum(token, last_possible), x.argmax(-1))  # (S,)

@@ -175,9 +175,9 @@ class ModelRunner:
                              positions=np.tile(np.arange(seq_len), num_seqs), slot_mapping=np.full(n, -1, np.int32),
                              cu_seqlens_q=cu, cu_seqlens_k=cu)
         logits = self.forward(inputs)
-        if self.rank == 0:  # compile the sampler now, for one row and for many, not during the first requests
-            for rows in (1, 2):
-                self.sampler(logits[:rows], torch.ones(rows, device=self.device), torch.zeros(rows, device=self.device))
+        if self.rank == 0:  # compile the sampler's kernels now, not during the first requests
+            rows = torch.ones(2, device=self.device)  # temperatures and uniforms of two rows
+            self.sampler(logits[:1].expand(2, -1), rows, rows / 2)  # (the warm-up prefill may have one row only)
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------------
