@@ -1,8 +1,9 @@
 """GPU kernels, each beside a plain-torch reference: rotary + KV store, paged decode, prefill, sampling.
 
 Owns the math on the paged KV cache and the sampler's draw, nothing else: layers.Attention and
-layers.Sampler pick what to call, model_runner builds the batch tensors. On CUDA the Triton kernels run; on CPU the references run, unless the kernels
-were built by Triton's interpreter (TRITON_INTERPRET=1 at import), which runs them on CPU tensors for CI.
+layers.Sampler pick what to call, model_runner builds the batch tensors. On CUDA the Triton kernels run;
+on CPU the references run, unless the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at
+import), which runs them on CPU tensors for CI.
 Invariant: kernels never sync with the host and launch a grid that depends only on shapes and arguments,
 so the decode step can be captured in a CUDA graph. Paged decode can also run as cascade attention: a prefix
 that every sequence shares (prefix caching) is read once per batch tile, not once per sequence.
@@ -315,7 +316,8 @@ def _pick_token_kernel(logits_ptr, temperatures_ptr, uniforms_ptr, top_ptr, top_
     x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + chunk * CHUNK + offs,
                 mask=chunk * CHUNK + offs < vocab, other=float("-inf"))
     inside = tl.exp(x.to(tl.float32) / tl.where(t > 0, t, 1.0) - chunk_top)  # (CHUNK,) relative to the chunk max
-    token = chunk * CHUNK + _first_above(tl.cumsum(inside, axis=0), target / tl.exp(chunk_top - row_max), inside, offs)
+    target /= tl.exp(chunk_top - row_max)  # in the units of `inside`
+    token = chunk * CHUNK + _first_above(tl.cumsum(inside, axis=0), target, inside, offs)
     greedy = tl.load(top_index_ptr + row * num_chunks + best)
     tl.store(tokens_ptr + row, tl.where(t > 0, token, greedy))
 

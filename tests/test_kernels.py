@@ -328,7 +328,7 @@ def test_default_num_splits() -> None:
 POINTER_TYPES = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cos_sin_ptr": "*fp32", "positions_ptr": "*i64",
                  "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "num_common_ptr": "*i32",
                  "slot_mapping_ptr": "*i32", "temperatures_ptr": "*fp32", "uniforms_ptr": "*fp32", "top_ptr": "*fp32",
-                 "mass_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}  # every other pointer holds the model dtype
+                 "mass_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}  # others hold the model dtype
 SM90_CASES = [  # (kernel name, constexpr arguments): the variants the engine launches for Qwen3-0.6B's heads
     ("_rotary_store_kernel", dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
     ("_rotary_store_kernel", dict(H=9, H_PAD=16, HKV=3, HKV_PAD=4, HEAD_DIM=64, QK_NORM=False, STORE=False)),
