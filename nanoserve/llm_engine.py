@@ -236,12 +236,14 @@ class LLMEngine:
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         tok_s = {"prefill": 0.0, "decode": 0.0}
         pending = set(seq.seq_id for seq in seqs)
+        t = time.perf_counter()
         try:
             while pending:
-                t = time.perf_counter()
                 finished, batch = self.step()
                 kind = "prefill" if batch.is_prefill else "decode"
+                # over the whole loop turn: with overlap, step() itself may return at once (its tokens were ready)
                 tok_s[kind] = sum(batch.num_new_tokens) / max(time.perf_counter() - t, 1e-9)
+                t = time.perf_counter()
                 bar.set_postfix_str(f"prefill {tok_s['prefill']:,.0f} tok/s, decode {tok_s['decode']:,.0f} tok/s",
                                     refresh=False)
                 for seq in finished:
