@@ -30,7 +30,7 @@ sequence reads its own copy of the shared prefix's KV, as paged attention does.
 
 CPU mode (--cpu, or no CUDA): the packaged default model and small workloads; roofline is "-".
   python bench.py                                  # GPU: w1 + w2, nanoserve + both HF peers
-  python bench.py --cpu                            # about 3.5 minutes on a 2-core VM
+  python bench.py --cpu                            # about 3.5 minutes on a 2-core VM (2.5 without hf-cb)
   python bench.py --plot-from bench.json --plot bench.png   # also merges several JSONs: a.json,b.json
 The hf peers take minutes on w1 (about 4 each on an H100): split long runs with --engines/--workload,
 one --json each, and merge them with --plot-from.
