@@ -27,7 +27,7 @@ class Config:
     kvcache_block_size: int = 16  # tokens per KV block (the paging unit)
     num_kvcache_blocks: int | None = None  # None: sized from free memory; an int overrides (tests)
     enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes across requests
-    overlap_scheduling: bool = True  # prepare the next decode step while this one runs (single rank only)
+    overlap_scheduling: bool = True  # prepare the next step while this one runs (single rank only)
     dtype: str = "auto"  # "auto": the checkpoint's dtype on GPU, float32 on CPU; or float32/float16/bfloat16
     device: str = "auto"  # "auto": "cuda" when available, else "cpu"
     trace: bool = False  # log one line per engine step (also NANOSERVE_TRACE=1)
