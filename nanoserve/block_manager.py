@@ -8,7 +8,7 @@ A full block is registered (`register_blocks`) in the step that computes its K/V
 a later prompt of the same prefill batch then hits it, since every layer stores the whole batch's K/V
 before any attention reads the cache. A freed block keeps its hash and stays hittable until it is
 handed out again (least recently freed first); a block registered but never computed (its step
-failed) is dropped from the index when freed.
+failed) is dropped from the index when freed (`free`, and `keep_hashes=False` after a failure).
 Invariant: a block is either in use (ref_count > 0) or in `free_block_ids`, never both.
 Called by: the scheduler.
 """
@@ -107,9 +107,11 @@ class BlockManager:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids = NO_HASH, []
 
-    def free(self, seq: Sequence) -> None:
-        """Drop seq's references; blocks nobody uses go back to the pool but keep their hash (still hittable)."""
-        num_computed_blocks = seq.num_computed_tokens // self.block_size
+    def free(self, seq: Sequence, keep_hashes: bool = True) -> None:
+        """Drop seq's references; blocks nobody uses go back to the pool but keep their hash (still hittable).
+        keep_hashes=False, after a failed step: none keeps it, since a block seq took as a cache hit may have
+        been registered by that step, for another sequence, and never computed."""
+        num_computed_blocks = seq.num_computed_tokens // self.block_size if keep_hashes else 0
         # last block first: a sequence's tail is the least likely prefix of anyone else, so it is evicted first
         for i in reversed(range(len(seq.block_table))):
             block = self.blocks[seq.block_table[i]]

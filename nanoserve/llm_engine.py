@@ -203,7 +203,7 @@ class LLMEngine:
                 for queue in (s.waiting, s.running):
                     if seq in queue:
                         queue.remove(seq)
-                s.block_manager.free(seq)
+                s.block_manager.free(seq, keep_hashes=False)  # a failed step may have left blocks uncomputed
 
     # ---- the whole loop -----------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]],

@@ -364,3 +364,17 @@ def test_block_registered_for_a_step_that_never_ran_is_dropped_on_free():
     assert len(bm.hash_to_block_id) == 1  # the never-computed second block is no longer hittable
     b = make_seq(list(range(9)))
     assert bm.allocate(b) and b.num_cached_tokens == 4
+
+
+def test_free_after_a_failed_step_forgets_even_the_blocks_taken_as_hits():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    shared = list(range(8))  # 2 full blocks
+    a, b = make_seq(shared + [50]), make_seq(shared + [60])
+    assert bm.allocate(a)
+    bm.register_blocks(a, a.num_tokens)  # registered at scheduling time, for a step that then fails
+    assert bm.allocate(b) and b.num_computed_tokens == 8  # b hits a's blocks at once, as in one prefill batch
+    bm.free(a, keep_hashes=False)
+    bm.free(b, keep_hashes=False)  # b's "computed" blocks were a's, never computed
+    assert bm.hash_to_block_id == {} and bm.num_free_blocks == 8
+    c = make_seq(shared + [70])
+    assert bm.allocate(c) and c.num_cached_tokens == 0  # nothing uncomputed is served

@@ -121,6 +121,22 @@ def test_text_prompts_and_trace(model_dir, caplog):
     assert all("free=" in line for line in lines)
 
 
+def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_dir, prompts, hf_outputs):
+    # the two chat prompts share the template's first blocks: the second hits the first's at schedule time
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(model_dir) as llm:
+        run = llm.model_runner.run
+
+        def failing_run(batch, prev=None):  # the prefill never runs: its registered blocks never get K/V
+            raise RuntimeError("simulated failure")
+        llm.model_runner.run = failing_run
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            llm.generate(prompts[:2], params, use_tqdm=False)
+        llm.model_runner.run = run
+        outs = llm.generate(prompts[:2], params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
+
+
 def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_outputs):
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(model_dir) as llm:
