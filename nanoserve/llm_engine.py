@@ -166,17 +166,20 @@ class LLMEngine:
         if self.ahead is not None:
             (batch, out), self.ahead = self.ahead, None
         else:
-            batch = self.scheduler.schedule()
-            out = self.model_runner.run(batch)
-        nxt = self.scheduler.schedule_ahead(batch) if self.overlap else None
+            batch, out = self.scheduler.schedule(), None
+        nxt = None
         try:
+            if out is None:
+                out = self.model_runner.run(batch)
+            nxt = self.scheduler.schedule_ahead(batch) if self.overlap else None
             if nxt is not None:
                 self.ahead = (nxt, self.model_runner.run(nxt, prev=None if nxt.is_prefill else (batch, out)))
             finished = self.scheduler.postprocess(batch, out.tolist())
-        except BaseException:
-            if nxt is not None:  # the step ahead will never be postprocessed: drop its PENDING tokens
-                self.scheduler.cancel_ahead(nxt)
-                self.ahead = None
+        except BaseException:  # neither step will be postprocessed: prompts wait again, PENDING tokens go
+            for cancelled in (nxt, batch):  # the later one first, so the prompts keep their order
+                if cancelled is not None:
+                    self.scheduler.cancel_ahead(cancelled)
+            self.ahead = None
             raise
         if self.config.trace:
             self._trace(batch, stats_before, len(finished))

@@ -120,8 +120,8 @@ class Scheduler:
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
     def cancel_ahead(self, batch: Batch) -> None:
-        """Forget a step scheduled ahead that will never be postprocessed (its predecessor failed): prompts go
-        back to the front of the waiting queue, PENDING tokens are dropped. A sequence keeps its blocks;
+        """Forget a scheduled step that will never be postprocessed (it or the step before it failed): prompts
+        go back to the front of the waiting queue, PENDING tokens are dropped. A sequence keeps its blocks;
         whatever its lost steps computed is computed again."""
         for seq in reversed(batch.seqs if batch.is_prefill else []):
             if seq.status == SequenceStatus.RUNNING:

@@ -137,6 +137,30 @@ def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_d
     assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
 
 
+def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, hf_outputs):
+    # without generate(): requests added, then steps; the first prefill and a later decode fail once each
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(model_dir, max_num_batched_tokens=64) as llm:  # prompts of ~40 tokens: a chunk is in flight
+        seqs = [llm.add_request(p, params) for p in prompts[:3]]
+        run, calls = llm.model_runner.run, []
+
+        def flaky_run(batch, prev=None):
+            calls.append(batch.is_prefill)
+            if len(calls) in (1, 7):
+                raise RuntimeError("simulated failure")
+            return run(batch, prev)
+        llm.model_runner.run = flaky_run
+        failures = 0
+        while not llm.scheduler.is_finished() or llm.ahead:
+            try:
+                llm.step()
+            except RuntimeError:
+                failures += 1
+        assert failures == 2 and calls[0] and not calls[6]  # a prefill failed, then a decode
+        assert PENDING not in sum((s.token_ids for s in seqs), [])
+    assert [s.output_token_ids for s in seqs] == [ref[:8] for ref in hf_outputs[:3]]
+
+
 def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_outputs):
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(model_dir) as llm:
