@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import (QWEN3_0_6B, QWEN3_TINY, TEMPERATURE, build_random_qwen3, make_w1, make_w2,  # noqa: E402
-                   warmup_workload)
+                   nanoserve_params, warmup_workload)
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.model_runner import StepOutput  # noqa: E402
 
@@ -172,17 +172,15 @@ def main() -> None:
     else:  # a smoke test of this script on the CPU
         model_dir = build_random_qwen3(Path.home() / ".cache/nanoserve/qwen3-tiny-random", QWEN3_TINY, "cpu")
         wl = make_w1(8, 16, 64, 8, 32) if args.workload == "w1" else make_w2(8, 64, 8, 16, 16)
-    def params(w):
-        return [SamplingParams(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True) for n in w.output_lens]
     with LLM(model_dir, max_model_len=4096, enable_prefix_caching=not args.no_prefix_caching,
              overlap_scheduling=not args.no_overlap) as llm:
         warm = warmup_workload(wl)  # as bench.py does
-        llm.generate(warm.prompts, params(warm), use_tqdm=False)
+        llm.generate(warm.prompts, nanoserve_params(warm), use_tqdm=False)
         if args.prefill:
             return prefill_timing(llm) if CUDA else None
         records = instrument(llm)
         t = time.perf_counter()
-        llm.generate(wl.prompts, params(wl), use_tqdm=False)
+        llm.generate(wl.prompts, nanoserve_params(wl), use_tqdm=False)
         total = time.perf_counter() - t
         print(f"{args.workload}: {wl.output_tokens / total:,.0f} tokens/s (instrumented: timers)")
         summary = summarize(records, total)
