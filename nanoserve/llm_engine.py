@@ -178,7 +178,7 @@ class LLMEngine:
         except BaseException:  # neither step will be postprocessed: prompts wait again, PENDING tokens go
             for cancelled in (nxt, batch):  # the later one first, so the prompts keep their order
                 if cancelled is not None:
-                    self.scheduler.cancel_ahead(cancelled)
+                    self.scheduler.cancel(cancelled)
             self.ahead = None
             raise
         if self.config.trace:
@@ -259,7 +259,7 @@ class LLMEngine:
                 self.scheduler.postprocess(batch, out.tolist())
         finally:
             if self.ahead is not None:  # a failure: generate() aborts its sequences; others drop the step
-                self.scheduler.cancel_ahead(self.ahead[0])
+                self.scheduler.cancel(self.ahead[0])
                 self.ahead = None
             bar.close()
         return texts

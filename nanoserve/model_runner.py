@@ -323,7 +323,7 @@ class ModelRunner:
         return buf["hidden"][:bs]
 
     # ---- sampling (rank 0) --------------------------------------------------------------------------
-    @torch.inference_mode()  # as forward: no autograd bookkeeping (and no torch.compile guard on grad mode fails)
+    @torch.inference_mode()  # as forward: no autograd bookkeeping on the sampling ops
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params = [seq.params for seq in seqs]
         d = self.device

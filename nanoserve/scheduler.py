@@ -119,7 +119,7 @@ class Scheduler:
             self.block_manager.append_slot(seq)
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
-    def cancel_ahead(self, batch: Batch) -> None:
+    def cancel(self, batch: Batch) -> None:
         """Forget a scheduled step that will never be postprocessed (it or the step before it failed): prompts
         go back to the front of the waiting queue, PENDING tokens are dropped. A sequence keeps its blocks;
         whatever its lost steps computed is computed again."""

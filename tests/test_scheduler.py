@@ -436,7 +436,7 @@ def test_a_prefill_scheduled_ahead_can_be_cancelled(model_dir):
     first = sched.schedule()
     ahead = sched.schedule_ahead(first)
     assert ahead.seqs == [a, b, c] and ahead.starts == [8, 0, 0] and list(sched.waiting) == [c]
-    sched.cancel_ahead(ahead)  # the first prefill failed: a and b wait again, in order, with their blocks
+    sched.cancel(ahead)  # the first prefill failed: a and b wait again, in order, with their blocks
     assert list(sched.waiting) == [a, b, c] and not sched.running
     assert all(seq.status == SequenceStatus.WAITING for seq in (a, b, c))
     again = sched.schedule()  # nothing was recorded as computed: a runs again from its start
@@ -451,7 +451,7 @@ def test_a_step_scheduled_ahead_can_be_cancelled(model_dir):
     decode = sched.schedule()
     ahead = sched.schedule_ahead(decode)
     assert a.token_ids[-1] == PENDING
-    sched.cancel_ahead(ahead)  # decode failed: neither step is postprocessed
+    sched.cancel(ahead)  # decode failed: neither step is postprocessed
     assert PENDING not in a.token_ids and a.num_tokens == 7
     batch, _ = step(sched)  # the lost step is simply run again
     assert batch.seqs == [a] and a.num_tokens == 8 and a.num_computed_tokens == 7
