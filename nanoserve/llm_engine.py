@@ -13,6 +13,7 @@ import os
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import numbers
 import queue
 import socket
 import time
@@ -140,8 +141,12 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("empty prompt: give at least one token")
+        not_ints = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if not_ints:  # numpy integers are welcome (they are Integral); floats, bools and strings are not
+            raise ValueError(f"token ids must be integers, got {not_ints[0]!r} ({type(not_ints[0]).__name__})")
+        token_ids = [int(t) for t in token_ids]
         vocab = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         limit = self.config.max_model_len

@@ -6,6 +6,7 @@ checks use one real engine on the default model (SmolLM2-135M-Instruct, a few se
 shared by the module; after every rejected call it must still generate the same greedy tokens and hold
 no sequence and no block.
 """
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -164,6 +165,8 @@ MORE_BAD_REQUESTS = {
     "more params than prompts": ([PROBE], [GREEDY, GREEDY], "one per prompt"),
     "params not SamplingParams": ([PROBE], [dict(temperature=0)], "SamplingParams"),
     "a bare string": (PROBE, GREEDY, "wrap"),
+    "a float token id": ([[1, 2.0]], GREEDY, "integers"),
+    "a bool token id": ([[1, True]], GREEDY, "integers"),
     "bad prompt last of three": ([PROBE, PROBE, []], GREEDY, "empty"),
 }
 
@@ -203,3 +206,13 @@ def test_request_of_exactly_max_model_len_runs(llm, reference):
 def test_unknown_setting_is_named():
     with pytest.raises(ValueError, match="max_num_seq"):
         LLM("/nonexistent", max_num_seq=4)
+
+
+@pytest.mark.slow
+def test_numpy_token_ids_are_accepted(llm, reference):
+    """Token ids straight from numpy (np.int64 elements, or an int32 array) give the same tokens as ints."""
+    ids = llm.tokenizer.encode(PROBE)
+    for prompt in (np.array(ids, np.int64), list(np.array(ids, np.int32))):
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)
+        assert out[0]["token_ids"] == reference
+    assert_engine_idle(llm)
