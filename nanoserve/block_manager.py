@@ -5,10 +5,12 @@ Owns: the pool of `num_blocks` KV blocks, their reference counts and the prefix-
 The prefix cache: a full block's hash chains its predecessor's hash, so equal hashes mean equal
 prefixes; a hit also compares the token ids, so a hash collision can never serve wrong K/V.
 A full block is registered (`register_blocks`) in the step that computes its K/V, at scheduling time:
-a later prompt of the same prefill batch then hits it, since every layer stores the whole batch's K/V
-before any attention reads the cache. A freed block keeps its hash and stays hittable until it is
-handed out again (least recently freed first); a block registered but never computed (its step
-failed) is dropped from the index when freed (`free`, and `keep_hashes=False` after a failure).
+a later prompt of the same prefill batch, or of the prefill scheduled ahead, then hits it, since every
+layer stores the whole batch's K/V before any attention reads the cache, and steps run in order. Once
+that step is postprocessed the block is marked `computed`. A freed block keeps its hash and stays
+hittable until it is handed out again (least recently freed first), unless it was never computed: a
+block registered for a step that failed leaves the index when freed, and a prompt whose step is
+cancelled (`forget_uncomputed`) computes again every block without K/V, its hits on others' included.
 Invariant: a block is either in use (ref_count > 0) or in `free_block_ids`, never both.
 Called by: the scheduler.
 """
@@ -26,8 +28,9 @@ NO_HASH = -1
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int = NO_HASH  # chained hash of the tokens up to the end of this block, once full and computed
+    hash: int = NO_HASH  # chained hash of the tokens up to the end of this block, once full (registered)
     token_ids: list[int] = field(default_factory=list)  # the tokens it holds, to confirm a hash hit
+    computed: bool = False  # its K/V are in the cache: the step that registered it was postprocessed
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -105,20 +108,18 @@ class BlockManager:
     def _unregister(self, block: Block) -> None:
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
-        block.hash, block.token_ids = NO_HASH, []
+        block.hash, block.token_ids, block.computed = NO_HASH, [], False
 
-    def free(self, seq: Sequence, keep_hashes: bool = True) -> None:
-        """Drop seq's references; blocks nobody uses go back to the pool but keep their hash (still hittable).
-        keep_hashes=False, after a failed step: none keeps it, since a block seq took as a cache hit may have
-        been registered by that step, for another sequence, and never computed."""
-        num_computed_blocks = seq.num_computed_tokens // self.block_size if keep_hashes else 0
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; blocks nobody uses go back to the pool, the computed ones keeping their hash
+        (still hittable); one registered for a step that never finished has no K/V and leaves the index."""
         # last block first: a sequence's tail is the least likely prefix of anyone else, so it is evicted first
-        for i in reversed(range(len(seq.block_table))):
-            block = self.blocks[seq.block_table[i]]
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
-                if i >= num_computed_blocks:  # registered for a step that never finished: no valid K/V
+                if not block.computed:
                     self._unregister(block)
                 self.free_block_ids[block.block_id] = None
                 self.stats["freed"] += 1
@@ -152,3 +153,26 @@ class BlockManager:
             # an equal block computed by another sequence in the same batch keeps the index entry
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """seq's step was postprocessed: every full block among its first num_computed_tokens tokens has K/V.
+        Walks back from the last one to the first already marked, so a step costs only its new blocks."""
+        for i in reversed(range(seq.num_computed_tokens // self.block_size)):
+            block = self.blocks[seq.block_table[i]]
+            if block.computed:
+                break
+            block.computed = True
+
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """seq's step was cancelled (it or the step before it failed): from its first full block without K/V
+        on, nothing counts as computed (such a block was a cache hit registered by a cancelled step), and
+        every block of it that was registered but never computed leaves the index. seq keeps its blocks and
+        computes those tokens again (register_blocks registers them anew)."""
+        num_full = seq.num_computed_tokens // self.block_size
+        first = next((i for i in range(num_full) if not self.blocks[seq.block_table[i]].computed), num_full)
+        if first < num_full:
+            seq.num_computed_tokens = seq.num_cached_tokens = first * self.block_size
+        for block_id in seq.block_table[first:]:
+            if not self.blocks[block_id].computed:
+                self._unregister(self.blocks[block_id])
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)

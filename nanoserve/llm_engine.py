@@ -141,14 +141,12 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("empty prompt: give at least one token")
-        not_ints = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-        if not_ints:  # numpy integers are welcome (they are Integral); floats, bools and strings are not
-            raise ValueError(f"token ids must be integers, got {not_ints[0]!r} ({type(not_ints[0]).__name__})")
-        token_ids = [int(t) for t in token_ids]
         vocab = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        # numpy integers are welcome (they are Integral); floats, bools and strings are not
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"token id {bad[0]!r} is not an integer of the vocabulary [0, {vocab})")
+        token_ids = [int(t) for t in token_ids]
         limit = self.config.max_model_len
         if len(token_ids) + params.max_tokens > limit:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
@@ -205,13 +203,7 @@ class LLMEngine:
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Drop unfinished sequences from the scheduler and free their blocks."""
-        s = self.scheduler
-        for seq in seqs:
-            if not seq.is_finished:
-                for queue in (s.waiting, s.running):
-                    if seq in queue:
-                        queue.remove(seq)
-                s.block_manager.free(seq, keep_hashes=False)  # a failed step may have left blocks uncomputed
+        self.scheduler.abort(seqs)
 
     # ---- the whole loop -----------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]],

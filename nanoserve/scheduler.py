@@ -124,13 +124,24 @@ class Scheduler:
         go back to the front of the waiting queue, PENDING tokens are dropped. A sequence keeps its blocks;
         whatever its lost steps computed is computed again."""
         for seq in reversed(batch.seqs if batch.is_prefill else []):
-            if seq.status == SequenceStatus.RUNNING:
+            if seq.status == SequenceStatus.RUNNING:  # (a prompt chunked on is still WAITING, at the head)
                 self.running.remove(seq)
                 seq.status = SequenceStatus.WAITING
                 self.waiting.appendleft(seq)
+            self.block_manager.forget_uncomputed(seq)
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING:
                 seq.token_ids.pop()
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop unfinished sequences from the queues and free their blocks (those a failed step registered but
+        never computed leave the prefix cache)."""
+        for seq in seqs:
+            if not seq.is_finished:
+                for queue in (self.waiting, self.running):
+                    if seq in queue:
+                        queue.remove(seq)
+                self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -146,6 +157,7 @@ class Scheduler:
                 continue  # it finished in the step before this one, which was scheduled ahead of knowing
             seq.num_computed_tokens += num_new
             self.block_manager.register_blocks(seq, seq.num_computed_tokens)
+            self.block_manager.mark_computed(seq)
             if seq.token_ids[-1] == PENDING:  # the next step already runs with this token
                 seq.token_ids[-1] = token_id
             elif seq.num_computed_tokens == seq.num_tokens:

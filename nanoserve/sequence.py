@@ -37,9 +37,6 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading full blocks already registered in the prefix cache
         self.finish_reason: str | None = None
 
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

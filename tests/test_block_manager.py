@@ -23,11 +23,12 @@ def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> N
     """Pretend the model wrote K/V for the first num_tokens tokens (default: all), as postprocess does."""
     seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
     bm.register_blocks(seq, seq.num_computed_tokens)
+    bm.mark_computed(seq)
 
 
 def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
     """Every piece of state an allocation could touch, in a comparable form (free-list order included)."""
-    blocks = [(b.block_id, b.ref_count, b.hash, list(b.token_ids)) for b in bm.blocks]
+    blocks = [(b.block_id, b.ref_count, b.hash, list(b.token_ids), b.computed) for b in bm.blocks]
     seq_state = [(list(s.block_table), s.num_computed_tokens, s.num_cached_tokens, s.num_hashed_blocks,
                   list(s.token_ids), s.status) for s in seqs]
     return (list(bm.free_block_ids), blocks, dict(bm.hash_to_block_id), dict(bm.stats), seq_state)
@@ -366,15 +367,50 @@ def test_block_registered_for_a_step_that_never_ran_is_dropped_on_free():
     assert bm.allocate(b) and b.num_cached_tokens == 4
 
 
-def test_free_after_a_failed_step_forgets_even_the_blocks_taken_as_hits():
+def test_free_keeps_the_hashes_of_computed_blocks_only():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    shared = list(range(8))  # 2 full blocks
+    a, b = make_seq(shared + [50]), make_seq(shared + [60, 61, 62, 63])
+    assert bm.allocate(a)
+    compute(bm, a)  # a's prefill finished: its 2 full blocks hold K/V
+    assert bm.allocate(b) and b.num_cached_tokens == 8
+    bm.register_blocks(b, b.num_tokens)  # b's prefill is scheduled (its 3rd block registered), then fails
+    assert len(bm.hash_to_block_id) == 3
+    bm.free(b)  # b is aborted: its own block never got K/V
+    bm.free(a)
+    assert len(bm.hash_to_block_id) == 2 and bm.num_free_blocks == 8
+    c = make_seq(shared + [60, 61, 62, 63, 64])
+    assert bm.allocate(c) and c.num_cached_tokens == 8  # a's computed blocks are still served, b's is not
+
+
+def test_a_cancelled_prompt_computes_again_the_hits_that_never_got_kv():
     bm = BlockManager(num_blocks=8, block_size=BS)
     shared = list(range(8))  # 2 full blocks
     a, b = make_seq(shared + [50]), make_seq(shared + [60])
     assert bm.allocate(a)
     bm.register_blocks(a, a.num_tokens)  # registered at scheduling time, for a step that then fails
-    assert bm.allocate(b) and b.num_computed_tokens == 8  # b hits a's blocks at once, as in one prefill batch
-    bm.free(a, keep_hashes=False)
-    bm.free(b, keep_hashes=False)  # b's "computed" blocks were a's, never computed
-    assert bm.hash_to_block_id == {} and bm.num_free_blocks == 8
+    assert bm.allocate(b) and b.num_computed_tokens == 8  # b hits a's blocks at once (same or next prefill)
+    bm.register_blocks(b, b.num_tokens)
+    shared_ids = b.block_table[:2]
+    for seq in (b, a):  # both steps are cancelled, as Scheduler.cancel does
+        bm.forget_uncomputed(seq)
+    assert b.num_computed_tokens == b.num_cached_tokens == b.num_hashed_blocks == 0
+    assert bm.hash_to_block_id == {}  # nothing uncomputed is served...
+    bm.free(a)  # (a's request is aborted; b, from elsewhere, goes on)
     c = make_seq(shared + [70])
-    assert bm.allocate(c) and c.num_cached_tokens == 0  # nothing uncomputed is served
+    assert bm.allocate(c) and c.num_cached_tokens == 0
+    bm.free(c)
+    compute(bm, b)  # ...until b computes the shared blocks itself, in the blocks it holds
+    d = make_seq(shared + [80])
+    assert bm.allocate(d) and d.num_cached_tokens == 8 and d.block_table[:2] == shared_ids
+    check_invariants(bm, [b, d])
+
+
+def test_forget_uncomputed_keeps_what_finished_steps_computed():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(list(range(14)))
+    assert bm.allocate(a)
+    compute(bm, a, num_tokens=6)  # a first chunk of 6 tokens finished: 1 full block, 2 tokens of the next
+    bm.register_blocks(a, 14)  # the next chunk is scheduled (block 2 registered), then cancelled
+    bm.forget_uncomputed(a)
+    assert a.num_computed_tokens == 6 and a.num_hashed_blocks == 1 and len(bm.hash_to_block_id) == 1

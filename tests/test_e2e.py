@@ -137,6 +137,36 @@ def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_d
     assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
 
 
+def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir, prompts, hf_outputs):
+    # generate()'s prompt A registers its blocks when its prefill is scheduled; a request B added meanwhile
+    # (from outside that call) is scheduled ahead and takes A's first blocks (the chat template) as cache hits.
+    # A's prefill then fails, so those blocks never get K/V, and generate() aborts A: B must compute them.
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    class FailedOutput:  # a step whose failure surfaces when its tokens are read (as a CUDA error would)
+        token_ids = None
+
+        def tolist(self):
+            raise RuntimeError("simulated failure")
+    with LLM(model_dir) as llm:
+        run, others = llm.model_runner.run, []
+
+        def failing_run(batch, prev=None):
+            if others:
+                return run(batch, prev)
+            others.append(llm.add_request(prompts[1], params))  # arrives while A's prefill is in flight
+            return FailedOutput()  # A's prefill never ran
+        llm.model_runner.run = failing_run
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            llm.generate(prompts[:1], params, use_tqdm=False)
+        other = others[0]
+        assert other.block_table and other.num_cached_tokens == 0  # its hits on A's blocks were taken back
+        llm.model_runner.run = run
+        while not other.is_finished:
+            llm.step()
+    assert other.output_token_ids == hf_outputs[1][:8]
+
+
 def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, hf_outputs):
     # without generate(): requests added, then steps; the first prefill and a later decode fail once each
     params = SamplingParams(temperature=0, max_tokens=8)

@@ -266,13 +266,51 @@ def test_finish_conditions(model_dir, params, tokens, reason, num_out):
     assert bm.num_free_blocks == len(bm.blocks) - len(other.block_table)
 
 
+def true_token(seq: Sequence, position: int) -> int:
+    """The token at `position` of seq: the prompt's, then what the fake GPU samples there, a fixed function of
+    (prompt, position) with EOS now and then, so outputs can be checked however often a step was redone
+    (and equal prompts get equal outputs, whose blocks the prefix cache then shares too)."""
+    prompt = seq.token_ids[:seq.num_prompt_tokens]
+    if position < len(prompt):
+        return prompt[position]
+    return random.Random(hash((tuple(prompt), position))).choice([EOS] + list(range(40)) * 6)
+
+
 def fake_token(seq: Sequence) -> int:
-    """The token sampled at seq's next position: a fixed function of (seq_id, position), EOS now and then,
-    so the final outputs can be checked token by token however often a sequence was preempted."""
-    return random.Random(seq.seq_id * 100_003 + seq.num_tokens).choice([EOS] + list(range(40)) * 6)
+    """What the fake GPU samples for seq's next position (the one after its last token, PENDING included)."""
+    return true_token(seq, seq.num_tokens)
 
 
-def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: int, max_num_seqs: int) -> None:
+class FakeKVCache:
+    """What each cache slot holds: the tokens of the prefix whose last position's K/V was written there (K/V
+    depend on the whole prefix). A step writes its new tokens' slots, then reads every earlier position of
+    its sequences (as each layer stores before it attends): a read of a slot holding anything else is a
+    step that would attend to wrong K/V, the bug class of prefix caching and of recovery from failures."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, tuple] = {}
+
+    def run(self, batch: Batch) -> None:
+        starts = batch.starts if batch.is_prefill else [seq.num_tokens - 1 for seq in batch.seqs]
+        spans = list(zip(batch.seqs, starts, batch.num_new_tokens))
+        for seq, start, num_new in spans:
+            for pos in range(start, start + num_new):
+                self.slots[self.slot(seq, pos)] = self.prefix(seq, pos)
+        for seq, start, _ in spans:
+            for pos in range(start):
+                assert self.slots.get(self.slot(seq, pos)) == self.prefix(seq, pos), "attends to wrong K/V"
+
+    @staticmethod
+    def slot(seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // BS] * BS + pos % BS
+
+    @staticmethod
+    def prefix(seq: Sequence, pos: int) -> tuple:
+        return tuple(true_token(seq, p) for p in range(pos + 1))
+
+
+def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: int, max_num_seqs: int,
+                aborted: set) -> None:
     bm = sched.block_manager
     assert 0 < len(batch.seqs) <= max_num_seqs and len(set(batch.seqs)) == len(batch.seqs)
     assert len(sched.running) <= max_num_seqs
@@ -289,7 +327,7 @@ def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: i
     refs = [0] * len(bm.blocks)
     for seq in added:
         in_queues = (seq in waiting) + (seq in running)
-        assert in_queues == (0 if seq.is_finished else 1)
+        assert in_queues == (0 if seq.is_finished or seq in aborted else 1)
         for block_id in seq.block_table:
             refs[block_id] += 1
         for i in range(seq.num_hashed_blocks):  # a shared block holds exactly this sequence's tokens
@@ -298,13 +336,16 @@ def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: i
     assert set(bm.free_block_ids) == {i for i, r in enumerate(refs) if r == 0}
 
 
-@pytest.mark.parametrize("seed, enable_prefix_caching, overlap", [(0, True, False), (1, True, False),
-                                                                  (2, False, False), (3, True, True),
-                                                                  (4, False, True)])
-def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_caching, overlap):
+@pytest.mark.parametrize("seed, enable_prefix_caching, overlap, failures", [
+    (0, True, False, False), (1, True, False, False), (2, False, False, False), (3, True, True, False),
+    (4, False, True, False), (27, True, True, True), (52, True, True, True), (6, True, False, True)])
+# seeds 27 and 52 have a request take a failed step's blocks as cache hits (caught without forget_uncomputed)
+def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_caching, overlap, failures):
     """Many sequences, a tiny cache, chunking, preemption and random tokens: every sequence finishes
-    with the right tokens and every block ends free. overlap: drive it as LLMEngine.step does, each
-    decode step scheduled ahead of its predecessor's tokens (sampled at launch, known one step later)."""
+    with the right tokens, every step reads only K/V its tokens wrote (FakeKVCache), and every block ends
+    free. overlap: drive it as LLMEngine.step does, each step scheduled ahead of its predecessor's tokens
+    when it can be (sampled at launch, known one step later). failures: now and then a step fails (it and
+    the step ahead of it are cancelled, as step() does) and a sequence of it is aborted (as generate() does)."""
     rng = random.Random(seed)
     budget, max_num_seqs, num_blocks, max_model_len = 16, 4, 10, 40
     sched = make_scheduler(model_dir, num_kvcache_blocks=num_blocks, max_model_len=max_model_len,
@@ -320,10 +361,18 @@ def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_cachin
                                 ignore_eos=rng.random() < 0.3,
                                 stop_token_ids=(rng.randrange(40),) if rng.random() < 0.2 else ())
         seqs.append(Sequence(tokens, params, BS))
-    pending, added = list(seqs), []
-    num_steps = num_chunks = num_ahead = 0
+    pending, added, aborted, kv = list(seqs), [], set(), FakeKVCache()
+    num_steps = num_chunks = num_ahead = num_failed = 0
     seen_preemption = False
-    ahead = None  # (batch, its tokens): a step launched before the previous step's tokens were known
+
+    def launch(batch: Batch) -> tuple[Batch, list[int], bool]:
+        """Sample at launch; a failed step writes nothing (nor does anything after it on the GPU)."""
+        failed = failures and rng.random() < 0.08
+        if not failed:
+            kv.run(batch)
+        return batch, [fake_token(s) for s in batch.seqs], failed
+
+    ahead = None  # a step launched before the previous step's tokens were known
     while pending or not sched.is_finished() or ahead:
         for _ in range(rng.randint(0, 3)):  # requests keep arriving during the run
             if pending:
@@ -334,24 +383,38 @@ def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_cachin
         num_steps += 1
         assert num_steps < 5000, "the scheduler made no progress"
         if ahead:
-            (batch, tokens), ahead = ahead, None
+            (batch, tokens, failed), ahead = ahead, None
         else:
             batch = sched.schedule()
-            check_state(sched, added, batch, budget, max_num_seqs)
-            tokens = [fake_token(s) for s in batch.seqs]  # what the GPU samples, at launch
+            check_state(sched, added, batch, budget, max_num_seqs, aborted)
+            batch, tokens, failed = launch(batch)
         seen_preemption |= any(s.num_output_tokens and not s.block_table for s in sched.waiting)
         num_chunks += sum(s.num_computed_tokens + n < s.num_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
-        if overlap and (nxt := sched.schedule_ahead(batch)):
-            check_state(sched, added, nxt, budget, max_num_seqs)
-            ahead, num_ahead = (nxt, [fake_token(s) for s in nxt.seqs]), num_ahead + 1
-        sched.postprocess(batch, tokens)
+        nxt = sched.schedule_ahead(batch) if overlap else None
+        if nxt:
+            check_state(sched, added, nxt, budget, max_num_seqs, aborted)
+            ahead, num_ahead = launch(nxt) if not failed else (nxt, [], True), num_ahead + 1
+        if not failed:
+            sched.postprocess(batch, tokens)
+            continue
+        num_failed += 1
+        for cancelled in (nxt, batch):
+            if cancelled:
+                sched.cancel(cancelled)
+        ahead = None
+        if rng.random() < 0.5:  # the failed step's caller gives up one of its requests
+            victim = rng.choice(batch.seqs)
+            if not victim.is_finished:
+                sched.abort([victim])
+                aborted.add(victim)
     assert num_chunks > 0 and seen_preemption  # the workload really exercised both
-    assert (num_ahead > 0) == overlap
+    assert (num_ahead > 0) == overlap and (num_failed > 0) == failures and (len(aborted) > 0) == failures
     for seq in seqs:
+        if seq in aborted:
+            continue
         p = seq.params
         assert seq.status == SequenceStatus.FINISHED and 1 <= seq.num_output_tokens <= p.max_tokens
-        expected = [random.Random(seq.seq_id * 100_003 + pos).choice([EOS] + list(range(40)) * 6)
-                    for pos in range(seq.num_prompt_tokens, seq.num_tokens)]
+        expected = [true_token(seq, pos) for pos in range(seq.num_prompt_tokens, seq.num_tokens)]
         assert seq.output_token_ids == expected
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
         assert not stops & set(seq.output_token_ids[:-1])  # it stopped at the first stop token
