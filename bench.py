@@ -444,6 +444,7 @@ def hardware_info(cpu: bool) -> dict:
     if not cpu:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_limits"] = gpu_limits()
     try:
         # "-dirty" when the working tree differs from that commit: the figures are not that commit's
         info["commit"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
@@ -451,6 +452,18 @@ def hardware_info(cpu: bool) -> dict:
     except (OSError, subprocess.CalledProcessError):
         pass
     return info
+
+
+def gpu_limits() -> str | None:
+    """The first GPU's clock ceilings, power limit and driver, from nvidia-smi: throughput differs by a few
+    percent between machines of one kind, and these are the settings that may explain it."""
+    fields = "clocks.max.sm,clocks.max.mem,power.limit,driver_version"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return ", ".join(f"{name} {value.strip()}" for name, value in zip(fields.split(","), out.split(",")))
 
 
 def write_png(path: str, pixels: list[bytearray], width: int, height: int) -> None:
