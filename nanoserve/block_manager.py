@@ -154,14 +154,12 @@ class BlockManager:
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
-    def mark_computed(self, seq: Sequence) -> None:
-        """seq's step was postprocessed: every full block among its first num_computed_tokens tokens has K/V.
-        Walks back from the last one to the first already marked, so a step costs only its new blocks."""
-        for i in reversed(range(seq.num_computed_tokens // self.block_size)):
-            block = self.blocks[seq.block_table[i]]
-            if block.computed:
-                break
-            block.computed = True
+    def mark_computed(self, seq: Sequence, num_new: int) -> None:
+        """seq's step computed its last num_new tokens and was postprocessed: the full blocks among them have
+        K/V now (the blocks before were marked by earlier steps, or were computed cache hits)."""
+        end = seq.num_computed_tokens
+        for i in range((end - num_new) // self.block_size, end // self.block_size):
+            self.blocks[seq.block_table[i]].computed = True
 
     def forget_uncomputed(self, seq: Sequence) -> None:
         """seq's step was cancelled (it or the step before it failed): from its first full block without K/V

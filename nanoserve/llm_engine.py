@@ -142,11 +142,13 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("empty prompt: give at least one token")
         vocab = self.config.hf_config.vocab_size
-        # numpy integers are welcome (they are Integral); floats, bools and strings are not
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is not an integer of the vocabulary [0, {vocab})")
-        token_ids = [int(t) for t in token_ids]
+        # set(map(...)), min and max loop in C: 256 prompts of 1,100 tokens check in a few ms
+        if set(map(type, token_ids)) != {int}:  # numpy integers are welcome (Integral); floats, bools are not
+            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError(f"token ids must be integers, got {sorted({type(t).__name__ for t in token_ids})}")
+            token_ids = [int(t) for t in token_ids]
+        if not 0 <= min(token_ids) <= max(token_ids) < vocab:
+            raise ValueError(f"token ids {min(token_ids)}..{max(token_ids)} reach outside the vocabulary [0, {vocab})")
         limit = self.config.max_model_len
         if len(token_ids) + params.max_tokens > limit:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
@@ -201,10 +203,6 @@ class LLMEngine:
                     sum(batch.num_new_tokens), delta["allocated"], delta["freed"], delta["hit"],
                     delta["preempted"], num_finished, bm.num_free_blocks, len(bm.blocks))
 
-    def abort(self, seqs: list[Sequence]) -> None:
-        """Drop unfinished sequences from the scheduler and free their blocks."""
-        self.scheduler.abort(seqs)
-
     # ---- the whole loop -----------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True) -> list[dict]:
@@ -222,7 +220,7 @@ class LLMEngine:
         try:
             texts = self._run_to_completion(seqs, use_tqdm)
         except BaseException:
-            self.abort(seqs)
+            self.scheduler.abort(seqs)  # a failure: drop this call's unfinished requests, free their blocks
             raise
         return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason}
                 for seq in seqs]

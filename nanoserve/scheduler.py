@@ -136,12 +136,11 @@ class Scheduler:
     def abort(self, seqs: list[Sequence]) -> None:
         """Drop unfinished sequences from the queues and free their blocks (those a failed step registered but
         never computed leave the prefix cache)."""
-        for seq in seqs:
-            if not seq.is_finished:
-                for queue in (self.waiting, self.running):
-                    if seq in queue:
-                        queue.remove(seq)
-                self.block_manager.free(seq)
+        for seq in [seq for seq in seqs if not seq.is_finished]:
+            for queue in (self.waiting, self.running):
+                if seq in queue:
+                    queue.remove(seq)
+            self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -157,7 +156,7 @@ class Scheduler:
                 continue  # it finished in the step before this one, which was scheduled ahead of knowing
             seq.num_computed_tokens += num_new
             self.block_manager.register_blocks(seq, seq.num_computed_tokens)
-            self.block_manager.mark_computed(seq)
+            self.block_manager.mark_computed(seq, num_new)
             if seq.token_ids[-1] == PENDING:  # the next step already runs with this token
                 seq.token_ids[-1] = token_id
             elif seq.num_computed_tokens == seq.num_tokens:

@@ -21,9 +21,10 @@ def make_seq(token_ids: list[int], **params) -> Sequence:
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
     """Pretend the model wrote K/V for the first num_tokens tokens (default: all), as postprocess does."""
-    seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    num_new = (seq.num_tokens if num_tokens is None else num_tokens) - seq.num_computed_tokens
+    seq.num_computed_tokens += num_new
     bm.register_blocks(seq, seq.num_computed_tokens)
-    bm.mark_computed(seq)
+    bm.mark_computed(seq, num_new)
 
 
 def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:

@@ -165,8 +165,8 @@ MORE_BAD_REQUESTS = {
     "more params than prompts": ([PROBE], [GREEDY, GREEDY], "one per prompt"),
     "params not SamplingParams": ([PROBE], [dict(temperature=0)], "SamplingParams"),
     "a bare string": (PROBE, GREEDY, "wrap"),
-    "a float token id": ([[1, 2.0]], GREEDY, "integer"),
-    "a bool token id": ([[1, True]], GREEDY, "integer"),
+    "a float token id": ([[1, 2.0]], GREEDY, "integers, got ['float', 'int']"),
+    "a bool token id": ([[1, True]], GREEDY, "integers, got ['bool', 'int']"),
     "bad prompt last of three": ([PROBE, PROBE, []], GREEDY, "empty"),
 }
 
