@@ -142,7 +142,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("empty prompt: give at least one token")
         vocab = self.config.hf_config.vocab_size
-        # set(map(...)), min and max loop in C: 256 prompts of 1,100 tokens check in a few ms
+        # set(map(...)), min and max loop in C: W2's 256 prompts of ~1,100 tokens check in ~25 ms on 2 slow
+        # cores, against 258 ms for an isinstance(t, numbers.Integral) per token
         if set(map(type, token_ids)) != {int}:  # numpy integers are welcome (Integral); floats, bools are not
             if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in token_ids):
                 raise ValueError(f"token ids must be integers, got {sorted({type(t).__name__ for t in token_ids})}")
