@@ -22,6 +22,7 @@ from dataclasses import fields
 from multiprocessing.shared_memory import SharedMemory
 from uuid import uuid4
 
+import numpy as np
 import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
@@ -138,7 +139,9 @@ class LLMEngine:
         """Tokenize and validate one request; raise ValueError naming the fix, changing nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # a numpy array's tolist() gives Python ints at C speed; list() would give numpy scalars (the slow path)
+        token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str) else
+                     prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt))
         if not token_ids:
             raise ValueError("empty prompt: give at least one token")
         vocab = self.config.hf_config.vocab_size

@@ -210,7 +210,7 @@ def test_unknown_setting_is_named():
 
 @pytest.mark.slow
 def test_numpy_token_ids_are_accepted(llm, reference):
-    """Token ids straight from numpy (np.int64 elements, or an int32 array) give the same tokens as ints."""
+    """Token ids straight from numpy (an int64 array, or a list of np.int32) give the same tokens as ints."""
     ids = llm.tokenizer.encode(PROBE)
     for prompt in (np.array(ids, np.int64), list(np.array(ids, np.int32))):
         out = llm.generate([prompt], GREEDY, use_tqdm=False)
