@@ -7,7 +7,7 @@ decode step finds no free block, the newest running sequence is preempted: its b
 it goes back to the front of the waiting queue, to be recomputed later (preemption by recompute).
 Does not own: tensors or the model (model_runner), KV block bookkeeping (block_manager).
 Invariant: a sequence is in exactly one of `waiting`, `running`, or finished.
-Called by: llm_engine (add, schedule, postprocess).
+Called by: llm_engine (add, schedule, schedule_ahead, postprocess; cancel and abort after a failure).
 """
 from collections import deque
 from dataclasses import dataclass, field
