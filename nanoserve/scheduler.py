@@ -6,7 +6,7 @@ chunked and continues next step) or a decode batch (one token for every running 
 decode step finds no free block, the newest running sequence is preempted: its blocks are freed and
 it goes back to the front of the waiting queue, to be recomputed later (preemption by recompute).
 Does not own: tensors or the model (model_runner), KV block bookkeeping (block_manager).
-Invariant: a sequence is in exactly one of `waiting`, `running`, or finished.
+Invariant: a sequence is in exactly one of `waiting`, `running`, or finished (or aborted: in neither).
 Called by: llm_engine (add, schedule, schedule_ahead, postprocess; cancel and abort after a failure).
 """
 from collections import deque
