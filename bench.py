@@ -36,6 +36,7 @@ The hf peers take minutes on w1 (about 4 each on an H100): split long runs with 
 one --json each, and merge them with --plot-from.
 """
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -52,7 +53,7 @@ import zlib
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -256,6 +257,7 @@ class Row:
     ratio: float | None = None             # tokens/s over nanoserve's on the same workload
     roofline_fraction: float | None = None
     note: str = ""                         # the error of a failed engine, or a warning
+    gpu_during: str | None = None          # nvidia-smi samples over the run (gpu_monitor)
 
 
 def short_tokens(lengths: list[int], wanted: list[int]) -> str:
@@ -408,9 +410,13 @@ def run_engine(name: str, runner, model_dir: str, wl: Workload, args: argparse.N
     row = Row(wl.name, name, len(wl.prompts), wl.output_tokens)
     log(f"-- {wl.name} / {name}: {row.requests} requests, {row.output_tokens:,} output tokens")
     try:
-        row.seconds, row.note = runner(model_dir, wl, args, device)
+        with gpu_monitor(device) as samples:
+            row.seconds, row.note = runner(model_dir, wl, args, device)
+        row.gpu_during = summarize_gpu(samples)
         row.tokens_per_s = row.output_tokens / row.seconds
         log(f"   {row.seconds:.2f} s, {row.tokens_per_s:,.1f} tokens/s {row.note}")
+        if row.gpu_during:
+            log(f"   GPU during the run: {row.gpu_during}")
     except Exception as e:  # noqa: BLE001 -- any peer failure is reported in its row
         traceback.print_exc()
         row.note = f"error: {type(e).__name__}: {e}".splitlines()[0][:200]
@@ -464,6 +470,47 @@ def gpu_limits() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return ", ".join(f"{name} {value.strip()}" for name, value in zip(fields.split(","), out.split(",")))
+
+
+GPU_SAMPLE_FIELDS = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active"
+
+
+@contextlib.contextmanager
+def gpu_monitor(device: str) -> Iterator[list[str]]:
+    """nvidia-smi samples every 200 ms while the block runs (warm-up included), as CSV lines: a run slower
+    than another on the same code shows here whether the GPU ran at other clocks, hotter or throttled."""
+    samples: list[str] = []
+    proc = None
+    if device == "cuda":
+        try:
+            proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={GPU_SAMPLE_FIELDS}", "--format=csv,noheader,nounits",
+                                     "-lms", "200", "-i", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    text=True)
+        except OSError:
+            proc = None
+    try:
+        yield samples
+    finally:
+        if proc is not None:
+            proc.terminate()
+            samples += proc.communicate(timeout=30)[0].splitlines()
+
+
+def summarize_gpu(samples: list[str]) -> str | None:
+    """Busy samples only (power above its median): SM and memory clocks, temperature, power, event reasons."""
+    rows = [line.split(", ") for line in samples if line.count(", ") == 4]
+    try:
+        values = [(float(sm), float(mem), float(temp), float(power), reason) for sm, mem, temp, power, reason in rows]
+    except ValueError:  # "[N/A]" fields on some machines
+        return None
+    if not values:
+        return None
+    median_power = sorted(v[3] for v in values)[len(values) // 2]
+    busy = [v for v in values if v[3] >= median_power]
+    sm, mem, temp, power = ([v[i] for v in busy] for i in range(4))
+    reasons = sorted({v[4] for v in busy})
+    return (f"{len(busy)} busy samples: SM {min(sm):.0f}-{max(sm):.0f} MHz, memory {min(mem):.0f}-{max(mem):.0f} MHz, "
+            f"{min(temp):.0f}-{max(temp):.0f} C, {sum(power) / len(power):.0f} W mean, event reasons {reasons}")
 
 
 def write_png(path: str, pixels: list[bytearray], width: int, height: int) -> None:

@@ -86,6 +86,18 @@ def test_gpu_bandwidth_by_name(name, bandwidth):
     assert bench.gpu_bandwidth(name) == bandwidth
 
 
+def test_gpu_samples_summarized_over_busy_samples_only():
+    samples = ["1980, 2619, 45, 350.0, 0x0000000000000000", "1755, 2619, 52, 450.0, 0x0000000000000004",
+               "345, 2619, 40, 70.0, 0x0000000000000001", "garbage line"]
+    summary = bench.summarize_gpu(samples)  # the idle sample (power below the median) is left out
+    assert summary == ("2 busy samples: SM 1755-1980 MHz, memory 2619-2619 MHz, 45-52 C, 400 W mean, "
+                       "event reasons ['0x0000000000000000', '0x0000000000000004']")
+    assert bench.summarize_gpu(["[N/A], 2619, 40, 70.0, 0x0"]) is None and bench.summarize_gpu([]) is None
+    with bench.gpu_monitor("cpu") as cpu_samples:  # no GPU: no nvidia-smi, no samples
+        pass
+    assert cpu_samples == []
+
+
 def test_png_without_matplotlib(tmp_path):
     path = tmp_path / "b.png"
     bench.plot_without_matplotlib(str(path), {"w1": {"nanoserve": 100.0, "hf": 10.0}, "w2": {"nanoserve": 50.0}})
