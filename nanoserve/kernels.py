@@ -1,4 +1,4 @@
-"""GPU kernels, each beside a plain-torch reference: rotary + KV store, paged decode, prefill, sampling.
+"""GPU kernels, each beside a plain-torch reference: rotary + KV store, gate/up + SiLU, paged decode, prefill, sampling.
 
 Owns the math on the paged KV cache and the sampler's draw, nothing else: layers.Attention and
 layers.Sampler pick what to call, model_runner builds the batch tensors. On CUDA the Triton kernels run;
@@ -95,6 +95,37 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weig
         tl.store(k_cache_ptr + dst + HEAD_DIM // 2, k2, mask=mask)
         tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
         tl.store(v_cache_ptr + dst + HEAD_DIM // 2, tl.load(src + HEAD_DIM // 2, mask=mask), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The MLP's gate/up projection with SiLU-and-mul fused in, for decode batches. There every kernel costs a few
+# microseconds however little it does; cuBLAS's GEMM plus the separate SiLU-and-mul kernel took 9.1-12.4 us per
+# layer at 32-256 rows on an H100, this one kernel 8.4-10.7 us (Qwen3-0.6B, graph replays of 28 layers).
+# A program computes matching tiles of x W_gate^T and x W_up^T, so it finds each (gate, up) pair in registers.
+# ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, I, K, x_stride, w_stride, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # program (row tile, column tile); row tiles vary fastest, so the programs that read one tile of W run together
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) of x and out
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) of out: gate rows of W, up rows I later
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    x_ptrs = x_ptr + rows[:, None] * x_stride + offs_k  # (BLOCK_M, BLOCK_K)
+    gate_ptrs = w_ptr + cols[:, None] * w_stride + offs_k  # (BLOCK_N, BLOCK_K)
+    up_ptrs = gate_ptrs + I * w_stride
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        in_k = offs_k + k < K
+        x = tl.load(x_ptrs + k, mask=(rows[:, None] < M) & in_k, other=0.0)
+        w_mask = (cols[:, None] < I) & in_k
+        gate = tl.dot(x, tl.trans(tl.load(gate_ptrs + k, mask=w_mask, other=0.0)), gate)
+        up = tl.dot(x, tl.trans(tl.load(up_ptrs + k, mask=w_mask, other=0.0)), up)
+    dtype = out_ptr.dtype.element_ty
+    gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)  # rounded as a projection's output
+    tl.store(out_ptr + rows[:, None] * I + cols[None, :], (gate * tl.sigmoid(gate) * up).to(dtype),
+             mask=(rows[:, None] < M) & (cols[None, :] < I))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -360,6 +391,26 @@ def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin
         slot_mapping, q.stride(0), k.stride(0), v.stride(0), eps, H=H, H_PAD=triton.next_power_of_2(H),
         HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv), HEAD_DIM=D, QK_NORM=qk_norm is not None, STORE=store)
     return q, k
+
+
+def gate_up_silu(x: Tensor, weight: Tensor) -> Tensor:
+    """SiLU(x W_gate^T) * (x W_up^T) in one kernel: x (M, K), weight (2 I, K) with the gate rows first, as
+    gate_up_proj packs them -> (M, I). Tiles from a sweep on an H100 (Qwen3-0.6B, 16-256 rows)."""
+    if not _use_triton(x):
+        return gate_up_silu_ref(x, weight)
+    (M, K), I = x.shape, weight.shape[0] // 2
+    assert weight.shape == (2 * I, K) and x.stride(1) == weight.stride(1) == 1
+    out = torch.empty(M, I, dtype=x.dtype, device=x.device)
+    block_m, block_n = (16 if M <= 32 else 64), (64 if 64 < M <= 128 else 32)
+    _gate_up_silu_kernel[(triton.cdiv(M, block_m), triton.cdiv(I, block_n))](
+        x, weight, out, M, I, K, x.stride(0), weight.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=128 if M <= 128 else 64, NUM_STAGES=4, num_warps=4)
+    return out
+
+
+def gate_up_silu_ref(x: Tensor, weight: Tensor) -> Tensor:
+    gate, up = F.linear(x, weight).chunk(2, -1)  # (M, I) each
+    return F.silu(gate) * up
 
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -143,6 +143,25 @@ def test_rotary_and_store_rejects_a_head_dim_not_a_power_of_two_interpreted() ->
         kernels.rotary_and_store(**args)
 
 
+def check_gate_up_silu(M: int, K: int, I: int, dtype: torch.dtype, tol: dict, device: str = "cpu") -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(M, K, generator=gen).to(device, dtype)
+    weight = (torch.randn(2 * I, K, generator=gen) * K ** -0.5).to(device, dtype)
+    torch.testing.assert_close(kernels.gate_up_silu(x, weight), kernels.gate_up_silu_ref(x, weight), **tol)
+
+
+@interpreted
+@pytest.mark.parametrize("M, K, I", [(5, 96, 80), (40, 160, 64), (130, 64, 96)])  # K and I not tile multiples
+def test_gate_up_silu_interpreted(M: int, K: int, I: int) -> None:
+    check_gate_up_silu(M, K, I, torch.float32, dict(atol=1e-5, rtol=1e-5))
+
+
+def test_gate_up_silu_ref_is_silu_and_mul() -> None:
+    x, weight = torch.randn(3, 8), torch.randn(10, 8)
+    gate, up = x @ weight[:5].T, x @ weight[5:].T
+    torch.testing.assert_close(kernels.gate_up_silu_ref(x, weight), gate * torch.sigmoid(gate) * up)
+
+
 def sample_case(S: int, V: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[torch.Tensor]:
     """logits (S, V), temperatures, uniforms with the sampler's corner cases in the first rows."""
     gen = torch.Generator().manual_seed(0)
@@ -338,6 +357,8 @@ SM90_CASES = [  # (kernel name, constexpr arguments): the variants the engine la
                                   NUM_STAGES=3, CASCADE=False, SINGLE_SPLIT=False)),
     ("_cascade_prefix_kernel", dict(GROUP=2, ROWS=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4, NUM_STAGES=3)),
     ("_merge_splits_kernel", dict(HEAD_DIM=128, SPLITS_PAD=8)),
+    ("_gate_up_silu_kernel", dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, NUM_STAGES=4)),
+    ("_gate_up_silu_kernel", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, NUM_STAGES=4)),
     ("_chunk_stats_kernel", dict(CHUNK=2048)),
     ("_pick_token_kernel", dict(CHUNKS_PAD=128, CHUNK=2048)),
 ]
@@ -442,6 +463,14 @@ TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=5e-3
 def test_rotary_and_store_gpu(dtype: torch.dtype, H: int, Hkv: int, D: int, qk_norm: bool) -> None:
     args = make_rotary_inputs(300, H, Hkv, D, dtype, "cuda", num_blocks=40)
     check_rotary_and_store(args, qk_norm, True, TOL[dtype])
+
+
+@pytest.mark.parametrize("M", [1, 16, 32, 64, 100, 256, 512])  # every tiling gate_up_silu picks
+@pytest.mark.parametrize("K, I", [(1024, 3072), (576, 1536)])  # Qwen3-0.6B, SmolLM2-135M
+@gpu
+@requires_cuda
+def test_gate_up_silu_gpu(M: int, K: int, I: int) -> None:
+    check_gate_up_silu(M, K, I, torch.bfloat16, TOL[torch.bfloat16], "cuda")
 
 
 @pytest.mark.parametrize("group, Hkv", [(1, 4), (2, 8), (3, 3), (8, 2), (16, 1)])

@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nanoserve"
 README = ROOT / "README.md"
-BUDGET = 1700  # code lines in nanoserve/, the course-material promise (1,600 until the sampler kernels)
+BUDGET = 1750  # code lines in nanoserve/, the course-material promise (1,600 until the sampler kernels,
+# 1,700 until the fused gate/up + SiLU decode kernel)
 BEGIN, END = "<!-- loc-table:begin -->", "<!-- loc-table:end -->"
 LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
           tokenize.ENDMARKER, tokenize.ENCODING}
