@@ -1,9 +1,9 @@
 """GPU kernels, each beside a plain-torch reference: rotary + KV store, gate/up + SiLU, paged decode, prefill, sampling.
 
-Owns the math on the paged KV cache and the sampler's draw, nothing else: layers.Attention and
-layers.Sampler pick what to call, model_runner builds the batch tensors. On CUDA the Triton kernels run;
-on CPU the references run, unless the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at
-import), which runs them on CPU tensors for CI.
+Owns the math on the paged KV cache, the decode MLP's fused gate/up + SiLU and the sampler's draw, nothing
+else: layers.Attention, layers.Sampler and models.MLP pick what to call, model_runner builds the batch
+tensors. On CUDA the Triton kernels run; on CPU the references run, unless the kernels were built by
+Triton's interpreter (TRITON_INTERPRET=1 at import), which runs them on CPU tensors for CI.
 Invariant: kernels never sync with the host and launch a grid that depends only on shapes and arguments,
 so the decode step can be captured in a CUDA graph. Paged decode can also run as cascade attention: a prefix
 that every sequence shares (prefix caching) is read once per batch tile, not once per sequence.
