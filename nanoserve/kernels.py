@@ -561,24 +561,30 @@ def _paged_decode_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
 
 
 def paged_decode_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                     scale: float) -> Tensor:
-    """Plain-torch paged decode, one sequence at a time (CPU path and test oracle; syncs once).
-    Reads exactly the context_len slots of each sequence, so garbage elsewhere in the cache never matters."""
+                     scale: float, chunk: int = 32) -> Tensor:
+    """Plain-torch paged decode (CPU path and test oracle; syncs once): `chunk` sequences at a time, their
+    blocks gathered from the cache, padded to the chunk's longest context and masked. Reads no block-table
+    entry past a sequence's blocks (those may hold garbage) and zeroes the padding, so garbage in the
+    cache, even NaN, never reaches the output."""
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     assert H % Hkv == 0 and block_tables.shape[0] == S and context_lens.shape == (S,)
-    k_slots, v_slots = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # (num_blocks * B, Hkv, D)
     out = torch.zeros_like(q)  # (S, H, D); a context_len of 0 (a padded graph row) attends to nothing
-    for s, n in enumerate(context_lens.tolist()):  # host sync: fine on CPU, never graph-captured
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=q.device)  # (n,) token positions
-        slot = block_tables[s, pos // B].long() * B + pos % B  # (n,) slot = block_id * B + offset
-        k = k_slots[slot].float().permute(1, 2, 0)  # (Hkv, D, n)
-        v = v_slots[slot].float().transpose(0, 1)  # (Hkv, n, D)
-        qg = q[s].float().view(Hkv, H // Hkv, D)  # (Hkv, GROUP, D): query heads grouped by their KV head
-        probs = torch.softmax(torch.bmm(qg, k) * scale, dim=-1)  # (Hkv, GROUP, n)
-        out[s] = torch.bmm(probs, v).view(H, D).to(q.dtype)
+    for c in range(0, S, chunk):
+        lens = context_lens[c:c + chunk].long()  # (C,)
+        num_blocks = int(lens.max() + B - 1) // B  # host sync
+        cols = torch.arange(num_blocks, device=q.device)  # (nb,)
+        blocks = torch.where(cols < (lens[:, None] + B - 1) // B, block_tables[c:c + chunk, :num_blocks], 0)
+        valid = torch.arange(num_blocks * B, device=q.device) < lens[:, None]  # (C, L)
+        # (C, nb, B, Hkv, D) -> (C, L, Hkv, D) in fp32; the padding zeroed (only its rows, the cheap way): a
+        # masked score must not be NaN + (-inf), nor a zero weight times a NaN value
+        k, v = (cache[blocks].flatten(1, 2).float() for cache in (k_cache, v_cache))
+        padding = (~valid).flatten().nonzero().squeeze(1)  # (P,) rows of (C * L)
+        k.view(-1, Hkv, D).index_fill_(0, padding, 0.0)
+        v.view(-1, Hkv, D).index_fill_(0, padding, 0.0)
+        o = F.scaled_dot_product_attention(q[c:c + chunk, :, None].float(), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+        out[c:c + chunk] = torch.where(lens[:, None, None] > 0, o[:, :, 0], 0.0)  # (C, H, D); no context: 0
     return out
 
 
