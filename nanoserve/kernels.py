@@ -409,7 +409,12 @@ def gate_up_silu(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def gate_up_silu_ref(x: Tensor, weight: Tensor) -> Tensor:
-    gate, up = F.linear(x, weight).chunk(2, -1)  # (M, I) each
+    return silu_and_mul_ref(F.linear(x, weight))
+
+
+def silu_and_mul_ref(x: Tensor) -> Tensor:
+    """SiLU(gate) * up of x (N, 2 I) = [gate | up] -> (N, I)."""
+    gate, up = x.chunk(2, -1)  # (N, I) each
     return F.silu(gate) * up
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.kernels import gather_kv, paged_decode, prefill_attention, rms_norm_ref, rotary_and_store, sample
+from nanoserve.kernels import (gather_kv, paged_decode, prefill_attention, rms_norm_ref, rotary_and_store, sample,
+                               silu_and_mul_ref)
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -111,10 +112,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)  # (P, D)
 
 
-@gpu_compiled
-def silu_and_mul(x: Tensor) -> Tensor:
-    gate, up = x.chunk(2, -1)  # (N, I) each
-    return F.silu(gate) * up
+silu_and_mul = gpu_compiled(silu_and_mul_ref)
 
 
 # ---- tensor-parallel linears -------------------------------------------------------------------------
