@@ -28,7 +28,9 @@ except ImportError:
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is one instruction on the GPU
 # Paged-decode tuning, measured on an H200 (Qwen3-0.6B heads, bf16, B = 16; see paged_decode's docstring):
 DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks): 4.4 TB/s vs 4.0 with 32 rows, 3.1 with 16
-DECODE_NUM_STAGES = 3  # software pipelining: the next steps' loads fly during this one (4.2 vs 3.4 TB/s at 1)
+# software pipelining: the next step's loads fly during this one. H200: 4.2 TB/s against 3.4 at 1 stage. H100,
+# W1-like sorted batches (graph replays): 2 stages 1-3% faster than 3 at batch 32-256, and 1 stage slower
+DECODE_NUM_STAGES = 2
 DECODE_NUM_WARPS = 4  # 8 warps was 10-40% slower
 MIN_GROUP_ROWS = 16  # tl.dot (tensor cores) needs >= 16 rows: the GQA group is padded up to this
 SPLIT_PROGRAMS_PER_SM = 2  # split KV until the grid has this many programs per SM (~4 fit; 2 measured best)
