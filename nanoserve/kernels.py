@@ -40,6 +40,7 @@ MAX_SPLITS = 16  # batch 1, context 1024: 16 splits 7.3 us, 32 splits 8.0 us, 64
 # CASCADE_ROWS rows, not once per sequence; rows also make tl.dot's M dimension without padding.
 CASCADE_ROWS = 64  # H200, S 256, P 64: 64 rows / 4 warps 69 us, 128 / 8 warps 72, 32 / 4 warps 75
 CASCADE_NUM_WARPS = 4
+CASCADE_NUM_STAGES = 3  # H200-tuned; on an H100, W2 with 2 (the decode kernel's) was 0-15% slower
 CASCADE_PROGRAMS_PER_SM = 1  # prefix splits fill one wave of (KV head, row tile, split) programs; see below
 MERGE_NUM_WARPS = 2  # merging 6 partials of 256 x 16 rows: 11.4 us at 1 or 2 warps, 18.6 at 4
 
@@ -550,17 +551,18 @@ def _paged_decode_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
     out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)  # (S, H, D)
     part_out = torch.empty(S, H, num_slots, D, dtype=torch.float32, device=q.device) if num_slots else out
     part_lse = torch.empty(S, H, num_slots, dtype=torch.float32, device=q.device) if num_slots else out
-    launch = dict(HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=BLOCKS_PER_ITER, NUM_STAGES=NUM_STAGES)
+    launch = dict(HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=BLOCKS_PER_ITER)
     if cascade:  # launched first: the per-sequence kernel folds its partials in
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), splits)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
             scale * LOG2E, S, num_slots, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            GROUP=H // Hkv, ROWS=CASCADE_ROWS, num_warps=CASCADE_NUM_WARPS, **launch)
+            GROUP=H // Hkv, ROWS=CASCADE_ROWS, NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS,
+            **launch)
     _paged_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         scale * LOG2E, prefix_splits, num_slots, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), GROUP=H // Hkv, GROUP_PAD=GROUP_PAD, CASCADE=cascade,
-        SINGLE_SPLIT=num_splits == 1, num_warps=num_warps, **launch)
+        SINGLE_SPLIT=num_splits == 1, NUM_STAGES=NUM_STAGES, num_warps=num_warps, **launch)
     if num_splits > 1:
         _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,
                                      SPLITS_PAD=triton.next_power_of_2(num_slots), num_warps=MERGE_NUM_WARPS)
