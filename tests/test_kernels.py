@@ -354,7 +354,7 @@ SM90_CASES = [  # (kernel name, constexpr arguments): the variants the engine la
     ("_paged_decode_kernel", dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
                                   NUM_STAGES=kernels.DECODE_NUM_STAGES, CASCADE=True, SINGLE_SPLIT=True)),
     ("_paged_decode_kernel", dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
-                                  NUM_STAGES=3, CASCADE=False, SINGLE_SPLIT=False)),
+                                  NUM_STAGES=kernels.DECODE_NUM_STAGES, CASCADE=False, SINGLE_SPLIT=False)),
     ("_cascade_prefix_kernel", dict(GROUP=2, ROWS=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
                                     NUM_STAGES=kernels.CASCADE_NUM_STAGES)),
     ("_merge_splits_kernel", dict(HEAD_DIM=128, SPLITS_PAD=8)),
