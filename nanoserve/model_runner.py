@@ -77,6 +77,11 @@ def common_prefix_blocks(block_tables: np.ndarray, context_lens: np.ndarray, blo
     return int(same.argmin()) if not same.all() else limit
 
 
+def graph_batch_size(num_seqs: int) -> int:
+    """The captured decode batch size for num_seqs sequences: the smallest that holds them, else the largest."""
+    return next((b for b in GRAPH_BATCH_SIZES if b >= num_seqs), GRAPH_BATCH_SIZES[-1])
+
+
 def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of tokens [start, end): slot = block_id * block_size + offset in the block."""
     slots: list[int] = []
@@ -98,6 +103,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # decode batches up to this size replay a graph: the captured size that holds max_num_seqs, at most 512
+        self.max_graph_batch = graph_batch_size(config.max_num_seqs) if self.use_graphs else 0
         self.shm = SharedMemory(shm_name) if shm_name else None
         self.wakeups = wakeups or []  # rank 0: one per worker; a worker: its own
         self.prev_token_ids: Tensor | None = None  # (S,) the last step's samples, on the device (see run)
@@ -234,9 +241,7 @@ class ModelRunner:
         return tensor.pin_memory() if self.device.type == "cuda" else tensor
 
     def _to_device(self, array: np.ndarray | None) -> Tensor | None:
-        if array is None:
-            return None
-        return self._pinned(array).to(self.device, non_blocking=True)
+        return None if array is None else self._pinned(array).to(self.device, non_blocking=True)
 
     def _input_ids(self, inputs: BatchInputs) -> Tensor:
         if inputs.prev_rows is None:
@@ -247,15 +252,17 @@ class ModelRunner:
     def forward(self, inputs: BatchInputs) -> Tensor | None:
         """Run the model on one batch; return logits (S, V) on rank 0, None on other ranks."""
         input_ids = self._input_ids(inputs)
-        if not inputs.is_prefill and self.use_graphs and len(inputs.positions) <= self.max_graph_batch:
-            hidden = self.replay_cudagraph(inputs, input_ids)
+        num_seqs = len(inputs.cu_seqlens_q) - 1 if inputs.is_prefill else len(inputs.positions)
+        if not inputs.is_prefill and self.use_graphs and num_seqs <= self.max_graph_batch:
+            hidden = self.replay_cudagraph(inputs, input_ids)  # (graph batch, hidden): padding rows included
             ctx = ForwardContext(is_prefill=False, slot_mapping=self.graph_buffers["slot_mapping"])
         else:
             ctx = self._forward_context(inputs)
             with forward_context(ctx):
                 hidden = self.model(input_ids, self._to_device(inputs.positions))  # (N, hidden)
         with forward_context(ctx):
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)  # (rows, V): num_seqs, or up to a graph batch size
+        return None if logits is None else logits[:num_seqs]
 
     def _forward_context(self, inputs: BatchInputs) -> ForwardContext:
         d = self._to_device
@@ -264,7 +271,7 @@ class ModelRunner:
             ctx = ForwardContext(
                 is_prefill=True, slot_mapping=d(inputs.slot_mapping), cu_seqlens_q=d(cu_q), cu_seqlens_k=d(cu_k),
                 max_seqlen_q=int(np.diff(cu_q).max()), max_seqlen_k=int(np.diff(cu_k).max()),
-                logits_indices=d(cu_q[1:].astype(np.int64) - 1))
+                logits_indices=d(self._last_token_rows(cu_q)))
             if inputs.block_tables is not None:  # prefix hits: slots computed once per step, used by every layer
                 ctx.context_slots = context_slots(d(inputs.block_tables), ctx.cu_seqlens_k, self.block_size,
                                                   int(cu_k[-1]))
@@ -274,12 +281,21 @@ class ModelRunner:
                               context_lens=d(inputs.context_lens), block_tables=d(inputs.block_tables),
                               num_common_blocks=d(common))
 
+    def _last_token_rows(self, cu_q: np.ndarray) -> np.ndarray:
+        """(rows,) int64: the row of each sequence's last new token, where prefill computes logits. With CUDA
+        graphs the last row repeats up to a graph batch size, as decode's padded rows do: the LM head then runs
+        only at sizes capture_cudagraphs ran it at. A GEMM shape seen for the first time may need a cuBLAS kernel
+        not loaded yet, and loading one stalls the host ~10 ms, long enough to idle the GPU: W1 lost ~11 decode
+        steps that way, ~8 ms each (H100), before the LM head's rows were padded."""
+        last = cu_q[1:].astype(np.int64) - 1  # (S,)
+        rows = graph_batch_size(len(last)) if len(last) <= self.max_graph_batch else len(last)
+        return np.pad(last, (0, rows - len(last)), mode="edge")
+
     # ---- CUDA graphs ------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
         """Record one decode forward per batch size; a replay launches all its kernels at once."""
-        self.max_graph_batch = max_bs = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
-        hidden_size = self.config.hf_config.hidden_size
+        max_bs, hidden_size = self.max_graph_batch, self.config.hf_config.hidden_size
         with self.device:
             self.graph_buffers = {  # static inputs and output that every graph reads and writes
                 "input_ids": torch.zeros(max_bs, dtype=torch.int64),
@@ -304,11 +320,14 @@ class ModelRunner:
                         b["hidden"][:] = self.model(b["input_ids"], b["positions"])
                 pool = pool or graph.pool()
                 self.graphs[bs, cascade] = graph
+        with forward_context(ForwardContext(is_prefill=False, slot_mapping=self.graph_buffers["slot_mapping"])):
+            for bs in {bs for bs, _ in self.graphs}:  # load the LM head's GEMM kernels (see _last_token_rows)
+                self.model.compute_logits(self.graph_buffers["hidden"][:bs])
         torch.cuda.synchronize()
 
     def replay_cudagraph(self, inputs: BatchInputs, input_ids: Tensor) -> Tensor:
         bs = len(inputs.positions)
-        graph_bs = min(b for b, _ in self.graphs if b >= bs)  # the smallest captured batch that fits
+        graph_bs = graph_batch_size(bs)
         buf = self.graph_buffers
         buf["input_ids"][:bs].copy_(input_ids)
         for name in ("positions", "slot_mapping", "context_lens"):
@@ -320,13 +339,12 @@ class ModelRunner:
         buf["num_common_blocks"].fill_(inputs.num_common_blocks)  # read only by graphs captured with cascade
         # the cascade graph only when blocks are shared: with none, its prefix kernel would launch for nothing
         self.graphs[graph_bs, inputs.num_common_blocks > 0].replay()
-        return buf["hidden"][:bs]
+        return buf["hidden"][:graph_bs]
 
     # ---- sampling (rank 0) --------------------------------------------------------------------------
     @torch.inference_mode()  # as forward: no autograd bookkeeping on the sampling ops
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params = [seq.params for seq in seqs]
-        d = self.device
         temperatures = uniforms = None  # None: every row is greedy
         if any(p.temperature > 0 for p in params):
             temperatures = self._to_device(np.array([p.temperature for p in params], np.float32))
@@ -339,7 +357,7 @@ class ModelRunner:
         top_ps = (self._to_device(np.array([p.top_p for p in params], np.float32))
                   if any(p.top_p < 1 for p in params) else None)
         token_ids = self.sampler(logits, temperatures, uniforms, top_ks, top_ps)  # (S,) int64
-        if d.type == "cpu":
+        if self.device.type == "cpu":
             return StepOutput(token_ids, token_ids)
         host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True).copy_(token_ids, non_blocking=True)
         return StepOutput(token_ids, host, copied=torch.cuda.current_stream().record_event())

@@ -629,3 +629,16 @@ def test_common_prefix_blocks_counts_full_shared_leading_blocks():
     assert common_prefix_blocks(tables[:2], np.array([64, 60], np.int32), 16) == 3
     assert common_prefix_blocks(tables[:2], np.array([64, 47], np.int32), 16) == 2  # block 2 not full in row 1
     assert common_prefix_blocks(tables[:2], np.array([64, 15], np.int32), 16) == 0
+
+
+def test_prefill_logits_rows_pad_to_a_graph_batch_size():
+    """With graphs the LM head runs only at captured batch sizes (their cuBLAS kernels loaded at start-up):
+    prefill repeats its last sequence's row up to one, and the caller keeps the first num_seqs rows of logits."""
+    from types import SimpleNamespace
+    from nanoserve.model_runner import ModelRunner, graph_batch_size
+    assert [graph_batch_size(n) for n in (1, 3, 8, 9, 37, 48, 512, 600)] == [1, 4, 8, 16, 48, 48, 512, 512]
+    cu_q = np.array([0, 5, 7, 20], np.int32)  # 3 sequences
+    rows = ModelRunner._last_token_rows(SimpleNamespace(max_graph_batch=48), cu_q)
+    assert rows.tolist() == [4, 6, 19, 19] and rows.dtype == np.int64  # padded to 4 rows
+    for no_graph in (SimpleNamespace(max_graph_batch=0), SimpleNamespace(max_graph_batch=2)):  # none, or too small
+        assert ModelRunner._last_token_rows(no_graph, cu_q).tolist() == [4, 6, 19]
