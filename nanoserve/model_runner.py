@@ -103,7 +103,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        # decode batches up to this size replay a graph: the captured size that holds max_num_seqs, at most 512
+        # decode batches up to this size replay a graph: the captured size that holds max_num_seqs, at most 512;
+        # 0 without graphs
         self.max_graph_batch = graph_batch_size(config.max_num_seqs) if self.use_graphs else 0
         self.shm = SharedMemory(shm_name) if shm_name else None
         self.wakeups = wakeups or []  # rank 0: one per worker; a worker: its own
@@ -253,7 +254,7 @@ class ModelRunner:
         """Run the model on one batch; return logits (S, V) on rank 0, None on other ranks."""
         input_ids = self._input_ids(inputs)
         num_seqs = len(inputs.cu_seqlens_q) - 1 if inputs.is_prefill else len(inputs.positions)
-        if not inputs.is_prefill and self.use_graphs and num_seqs <= self.max_graph_batch:
+        if not inputs.is_prefill and num_seqs <= self.max_graph_batch:
             hidden = self.replay_cudagraph(inputs, input_ids)  # (graph batch, hidden): padding rows included
             ctx = ForwardContext(is_prefill=False, slot_mapping=self.graph_buffers["slot_mapping"])
         else:

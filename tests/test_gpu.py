@@ -62,7 +62,7 @@ def record_logprobs(llm: LLM, prompt_list: list[list[int]], **engine_params) -> 
     sample = runner.sample
 
     def spy(logits, seqs):
-        assert logits.shape[0] == len(seqs)  # the LM head's padding rows (lm_head_rows) are cut off
+        assert logits.shape[0] == len(seqs)  # the LM head's padding rows (_last_token_rows) are cut off
         lp = logits.float().log_softmax(-1).cpu()
         for row, seq in zip(lp, seqs):
             steps.setdefault(seq.seq_id, []).append(row)
