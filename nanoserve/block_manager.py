@@ -1,24 +1,17 @@
-"""BlockManager: the paged KV cache's bookkeeping (which block belongs to whom) and the prefix cache.
+"""BlockManager: the paged KV cache's bookkeeping (which block is whose) and the prefix cache.
 
-Owns: the pool of `num_blocks` KV blocks, their reference counts and the prefix-cache index
-(hash of a full block -> block id). Does not own: the K/V tensors (model_runner) or scheduling.
-The prefix cache: a full block's hash chains its predecessor's hash, so equal hashes mean equal
-prefixes; a hit also compares the token ids, so a hash collision can never serve wrong K/V.
-A full block is registered (`register_blocks`) in the step that computes its K/V, at scheduling time:
-a later prompt of the same prefill batch, or of the prefill scheduled ahead, then hits it, since every
-layer stores the whole batch's K/V before any attention reads the cache, and steps run in order. Once
-that step is postprocessed the block is marked `computed`. A freed block keeps its hash and stays
-hittable until it is handed out again (least recently freed first), unless it was never computed: a
-block registered for a step that failed leaves the index when freed, and a prompt whose step is
-cancelled (`forget_uncomputed`) computes again every block without K/V, its hits on others' included.
-Invariant: a block is either in use (ref_count > 0) or in `free_block_ids`, never both.
-Called by: the scheduler.
+Owns the pool of `num_blocks` KV blocks, their reference counts and the prefix-cache index (chained
+hash of a full block -> block id); not the K/V tensors (model_runner) nor scheduling.
+Invariant: a block is either in use (ref_count > 0) or in `free_block_ids`, never both; a freed
+block whose K/V were computed keeps its hash, so it stays hittable until it is handed out again.
+Called by: the scheduler, which allocates, registers, marks computed and frees.
 """
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
+from nanoserve.config import cdiv
 from nanoserve.sequence import Sequence
 
 NO_HASH = -1
@@ -28,13 +21,15 @@ NO_HASH = -1
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int = NO_HASH  # chained hash of the tokens up to the end of this block, once full (registered)
+    hash: int = NO_HASH  # chained hash of all tokens up to this block's end, once full (registered)
     token_ids: list[int] = field(default_factory=list)  # the tokens it holds, to confirm a hash hit
-    computed: bool = False  # its K/V are in the cache: the step that registered it was postprocessed
+    computed: bool = False  # K/V in the cache: the step that registered it was postprocessed
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
-    """Hash of a full block, chained to the hash of everything before it."""
+    """Hash of a full block, chained to the hash of everything before it.
+
+    The chaining is what makes the index a prefix cache: equal hashes mean equal prefixes."""
     h = xxhash.xxh64()
     if prefix_hash != NO_HASH:
         h.update(prefix_hash.to_bytes(8, "little"))
@@ -43,7 +38,8 @@ def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -56,9 +52,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    # ---- prefill: a whole prompt at once ----------------------------------------------------------
+    # ---- prefill: a whole prompt at once --------------------------------------------------------
     def _find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of seq's full blocks (none if caching is off)."""
+        """Block ids of the longest cached prefix of seq's full blocks (none if caching is off).
+
+        A hit also compares the token ids, so a hash collision can never serve wrong K/V."""
         hits: list[int] = []
         if not self.enable_prefix_caching:
             return hits
@@ -73,16 +71,18 @@ class BlockManager:
         return hits
 
     def allocate(self, seq: Sequence) -> bool:
-        """Give seq blocks for all its tokens, reusing cached prefix blocks. False (and no change) if too few free."""
+        """Give seq blocks for all its tokens, reusing cached prefix blocks.
+
+        Returns False, changing nothing, if too few blocks are free."""
         assert not seq.block_table
         hits = self._find_cached_prefix(seq)
-        num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # free blocks a hit takes back
+        num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # hits taken from the pool
         if num_revived + seq.num_blocks - len(hits) > self.num_free_blocks:
             return False
         for block_id in hits:
             self._take(block_id)
         seq.block_table = hits + [self._allocate_fresh() for _ in range(seq.num_blocks - len(hits))]
-        # at least one token must be computed to get logits, so a fully cached prompt recomputes its last one
+        # logits need at least one computed token: a fully cached prompt recomputes its last one
         seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.num_hashed_blocks = len(hits)
@@ -111,9 +111,12 @@ class BlockManager:
         block.hash, block.token_ids, block.computed = NO_HASH, [], False
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's references; blocks nobody uses go back to the pool, the computed ones keeping their hash
-        (still hittable); one registered for a step that never finished has no K/V and leaves the index."""
-        # last block first: a sequence's tail is the least likely prefix of anyone else, so it is evicted first
+        """Drop seq's references; blocks nobody uses go back to the pool.
+
+        A freed computed block keeps its hash and stays hittable until it is handed out again (least
+        recently freed first); one registered for a step that never finished has no K/V, so it
+        leaves the index."""
+        # last block first: a sequence's tail is the least likely prefix of another: evict it first
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -129,7 +132,7 @@ class BlockManager:
     # ---- decode: one more slot -------------------------------------------------------------------
     def num_missing_blocks(self, seq: Sequence, num_extra_tokens: int = 0) -> int:
         """Fresh blocks seq still needs for the K/V of all its tokens plus num_extra_tokens more."""
-        return -(-(seq.num_tokens + num_extra_tokens) // self.block_size) - len(seq.block_table)
+        return cdiv(seq.num_tokens + num_extra_tokens, self.block_size) - len(seq.block_table)
 
     def can_append(self, seq: Sequence) -> bool:
         """Is there room for the K/V of every token seq has (the newest one included)?"""
@@ -139,9 +142,14 @@ class BlockManager:
         while len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_fresh())
 
-    # ---- prefix cache: register the blocks a step computes -----------------------------------------
+    # ---- prefix cache: register the blocks a step computes --------------------------------------
     def register_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Register every full block among seq's first num_tokens tokens (computed, or computed this step)."""
+        """Register every full block among seq's first num_tokens tokens (computed, or this step).
+
+        Called at scheduling time by the step that computes the blocks' K/V, so a later prompt of
+        the same prefill batch, or of a prefill scheduled before this step finishes, hits them at
+        once: safe, since every layer stores the whole batch's K/V before any attention reads the
+        cache, and steps run in order."""
         if not self.enable_prefix_caching:
             return
         num_full = num_tokens // self.block_size
@@ -155,22 +163,26 @@ class BlockManager:
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
     def mark_computed(self, seq: Sequence, num_new: int) -> None:
-        """seq's step computed its last num_new tokens and was postprocessed: the full blocks among them have
-        K/V now (the blocks before were marked by earlier steps, or were computed cache hits)."""
+        """seq's step computed its last num_new tokens and was postprocessed: the full blocks among
+        them have K/V now (the blocks before were marked by earlier steps, or were computed hits).
+        Until then a block is registered but not computed, and leaves the index if freed."""
         end = seq.num_computed_tokens
         for i in range((end - num_new) // self.block_size, end // self.block_size):
             self.blocks[seq.block_table[i]].computed = True
 
     def forget_uncomputed(self, seq: Sequence) -> None:
-        """seq's step was cancelled (it or the step before it failed): from its first full block without K/V
-        on, nothing counts as computed (such a block was a cache hit registered by a cancelled step), and
-        every block of it that was registered but never computed leaves the index. seq keeps its blocks and
-        computes those tokens again (register_blocks registers them anew)."""
+        """seq's step was cancelled (it or the step before it failed): redo every block without K/V.
+
+        From seq's first full block without K/V on (a cache hit registered by a cancelled step),
+        nothing counts as computed, and every block registered but never computed leaves the index.
+        seq keeps its blocks and computes those tokens again (register_blocks registers them anew).
+        """
         num_full = seq.num_computed_tokens // self.block_size
-        first = next((i for i in range(num_full) if not self.blocks[seq.block_table[i]].computed), num_full)
+        blocks = [self.blocks[b] for b in seq.block_table]
+        first = next((i for i in range(num_full) if not blocks[i].computed), num_full)
         if first < num_full:
             seq.num_computed_tokens = seq.num_cached_tokens = first * self.block_size
-        for block_id in seq.block_table[first:]:
-            if not self.blocks[block_id].computed:
-                self._unregister(self.blocks[block_id])
-        seq.num_hashed_blocks = min(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
+        for block in blocks[first:]:
+            if not block.computed:
+                self._unregister(block)
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, first)  # blocks before first: computed

@@ -8,20 +8,33 @@ the heads / of the MLP), o and down are row-parallel (partial sums, then one all
 embedding and LM head are split by vocab. With one rank every collective is skipped.
 The forward context carries the batch layout (cu_seqlens, slot_mapping, block_tables...) from the
 model runner to the Attention layers without threading it through every forward signature.
-Owns no weights' file format (weights.py) and no kernel (kernels.py).
+Each layer's forward is the plain computation, which the CPU runs; where one Triton kernel does
+several steps on the GPU, one function here chooses it (`fused_norm_rotary_store`).
+Owns no weights' file format (weights.py) and no kernel (kernels/).
 """
 import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.kernels import (gather_kv, paged_decode, prefill_attention, rms_norm_ref, rotary_and_store, sample,
-                               silu_and_mul_ref)
+from nanoserve.kernels import (
+    gather_kv,
+    paged_decode,
+    prefill_attention,
+    rms_norm_ref,
+    rotary_and_store,
+    rotary_ref,
+    sample,
+    store_kvcache_ref,
+    use_triton,
+)
+
+TEMPERATURE_MIN = 1e-5  # top-k/top-p rows divide by the temperature: greedy rows (T = 0) by this
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -30,21 +43,20 @@ def tp_rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-# ---- forward context ---------------------------------------------------------------------------------
+# ---- forward context -----------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class ForwardContext:
-    """Batch layout for one forward pass. Read by Attention (all fields) and ParallelLMHead (logits_indices)."""
+    """Batch layout for one forward pass, read by Attention (and fused_norm_rotary_store)."""
     is_prefill: bool
-    slot_mapping: Tensor  # (N,) int32: cache slot of each new token, block_id * B + offset; -1 writes nowhere
+    slot_mapping: Tensor  # (N,) int32: each new token's slot, block_id * B + offset; -1: none
     cu_seqlens_q: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's new tokens
-    cu_seqlens_k: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's whole context
+    cu_seqlens_k: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's context
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    context_slots: Tensor | None = None  # (Nk,) int64 prefill with prefix hits: cache slot of every context token
+    context_slots: Tensor | None = None  # (Nk,) int64 prefill with prefix hits: slot of each key
     context_lens: Tensor | None = None  # (S,) int32 decode: tokens in the cache per sequence
-    block_tables: Tensor | None = None  # (S, max_blocks) int32 decode: KV block ids of each sequence
-    num_common_blocks: Tensor | None = None  # (1,) int32 decode: leading blocks every sequence shares (cascade)
-    logits_indices: Tensor | None = None  # (S,) prefill: the last new token of each sequence
+    block_tables: Tensor | None = None  # (S, max_blocks) int32 decode: KV block ids per sequence
+    num_common_blocks: Tensor | None = None  # (1,) int32 decode: blocks all share (cascade)
 
 
 _context: ForwardContext | None = None
@@ -66,11 +78,11 @@ def get_forward_context() -> ForwardContext:
     return _context
 
 
-# ---- elementwise layers ------------------------------------------------------------------------------
+# ---- elementwise layers --------------------------------------------------------------------------
 def gpu_compiled(fn: Callable) -> Callable:
-    """torch.compile fuses a chain of elementwise ops into one kernel, which on the GPU saves a launch and a
-    round trip through memory per op (a decode step has thousands of them). The CPU path stays eager, so
-    running and testing nanoserve needs no compiler."""
+    """torch.compile fuses a chain of elementwise ops into one kernel, which on the GPU saves a
+    launch and a round trip through memory per op. The CPU path stays eager, so running and
+    testing nanoserve needs no compiler."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
@@ -95,30 +107,40 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """RMS-normalize x; with a residual, first add it (fused add + norm) and also return the sum."""
+        """RMS-normalize x; with a residual, first add it (fused add + norm); return the sum too."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding's table (rotate-half layout, as Llama and Qwen checkpoints use); Attention
-    applies it (kernels.rotary_and_store)."""
+    """Rotary position embedding, rotate-half layout (as Llama and Qwen checkpoints use): each
+    head's pair (x[i], x[i + D/2]) turns by the angle position * theta^(-2i/D)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)  # (P, D)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)  # (P, D): D/2 cosines, D/2 sines
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q (N, H, D) and k (N, Hkv, D) rotated by their tokens' positions (N,)."""
+        angles = self.cos_sin[positions]  # (N, D)
+        return rotary_ref(q, angles), rotary_ref(k, angles)
 
 
-silu_and_mul = gpu_compiled(silu_and_mul_ref)
+@gpu_compiled
+def silu_and_mul(x: Tensor) -> Tensor:
+    """SiLU(gate) * up of x (N, 2 I) = [gate | up] -> (N, I)."""
+    gate, up = x.chunk(2, -1)  # (N, I) each
+    return F.silu(gate) * up
 
 
-# ---- tensor-parallel linears -------------------------------------------------------------------------
+# ---- tensor-parallel linears ---------------------------------------------------------------------
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks. `output_sizes` lists the packed parts
-    (q, k, v or gate, up); each part is split separately, so each rank holds its slice of every part."""
+    (q, k, v or gate, up); each part is split separately: each rank holds a slice of every part."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -133,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: Tensor, loaded: Tensor, part: int = 0) -> None:
-        """Copy this rank's slice of checkpoint tensor `loaded` (part `part`) into its place in param."""
+        """Copy this rank's slice of checkpoint tensor `loaded` (part `part`) into param."""
         size = self.shard_sizes[part]
         start = sum(self.shard_sizes[:part])
         param.data[start:start + size].copy_(loaded.narrow(0, self.tp_rank * size, size))
@@ -143,7 +165,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split across ranks: each rank's partial sum, then all-reduce."""
+    """y = x W^T with W's input columns split across ranks: partial sums, then all-reduce."""
 
     def __init__(self, input_size: int, output_size: int) -> None:
         super().__init__()
@@ -163,12 +185,12 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose vocab rows are split across ranks; a rank looks up only its own ids, then all-reduce."""
+    """Embedding split by vocab rows across ranks: each looks up its own ids, then all-reduce."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        self.shard_size = -(-vocab_size // self.tp_size)  # last shard zero-padded when V % tp != 0
+        self.shard_size = -(-vocab_size // self.tp_size)  # cdiv; the last shard zero-padded
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size))
         self.weight.weight_loader = self.weight_loader
@@ -177,9 +199,9 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         param.data[:rows.shape[0]].copy_(rows)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor) -> Tensor:  # (N,) -> (N, hidden)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)  # (N, hidden)
+            return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(1)
@@ -188,82 +210,100 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the last token of each sequence; each rank computes its vocab slice, rank 0 gathers them."""
+    """Logits of the chosen rows; each rank computes its vocab slice, rank 0 gathers them."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.vocab_size = vocab_size
 
-    def forward(self, hidden: Tensor) -> Tensor | None:
-        ctx = get_forward_context()
-        if ctx.logits_indices is not None:
-            hidden = hidden[ctx.logits_indices]  # (S, hidden): prefill samples only after a sequence's last token
-        logits = F.linear(hidden, self.weight)  # (S, V / tp)
+    def forward(self, hidden: Tensor, rows: Tensor | None = None) -> Tensor | None:
+        """hidden (N, hidden) -> logits (rows, V) on rank 0, None elsewhere. rows: which of
+        hidden's rows (prefill: each sequence's last token); None: all (decode)."""
+        if rows is not None:
+            hidden = hidden[rows]  # (rows, hidden)
+        logits = F.linear(hidden, self.weight)  # (rows, V / tp)
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        parts = ([torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0
+                 else None)
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, -1)[:, :self.vocab_size] if self.tp_rank == 0 else None
 
 
-# ---- attention -----------------------------------------------------------------------------------------
+# ---- attention -----------------------------------------------------------------------------------
 class Attention(nn.Module):
-    """Rotates q and k (after Qwen3's q/k norm) and writes the new K/V into the paged cache, one fused kernel
-    on the GPU; then attends: varlen flash attention for prefill, the paged-decode kernel for decode."""
+    """The paged KV cache of one layer, and attention over it: varlen flash attention for prefill,
+    the paged-decode kernel for decode."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
-        self.k_cache = self.v_cache = torch.tensor([])  # (num_blocks, B, Hkv, D), set by the model runner
+        self.k_cache = self.v_cache = torch.tensor([])  # (num_blocks, B, Hkv, D), set by the runner
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor,
-                qk_norm: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
-        """q (N, H D), k and v (N, Hkv D), views of one projection, at positions (N,) -> (N, H D)."""
+    def store_kv(self, k: Tensor, v: Tensor) -> None:
+        """Write the new tokens' k and v (N, Hkv, D) into the cache at their slots."""
+        if self.k_cache.numel():  # the profiling run, before the cache exists, stores nothing
+            slots = get_forward_context().slot_mapping
+            store_kvcache_ref(k, v, self.k_cache, self.v_cache, slots)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (N, H, D), k and v (N, Hkv, D) of the new tokens, already in the cache -> (N, H, D)."""
         ctx = get_forward_context()
-        q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        # the profiling run before the cache exists passes empty caches: no store
-        q, k = rotary_and_store(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping, qk_norm)
-        if ctx.is_prefill:
-            if ctx.context_slots is not None:  # cached prefix tokens are not in k/v: read all context from the cache
-                k, v = gather_kv(self.k_cache, self.v_cache, ctx.context_slots)  # (Nk, Hkv, D)
-            o = prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                  ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
-        else:  # on the CPU paged_decode runs its reference, for which num_common_blocks changes nothing
-            o = paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale,
-                             num_common_blocks=ctx.num_common_blocks)
-        return o.reshape(-1, self.num_heads * self.head_dim)  # (N, H * D)
+        if not ctx.is_prefill:  # one new token per sequence against its blocks
+            return paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
+                                self.scale, num_common_blocks=ctx.num_common_blocks)
+        if ctx.context_slots is not None:  # prefix hits: the cached keys are not in k, v
+            k, v = gather_kv(self.k_cache, self.v_cache, ctx.context_slots)  # (Nk, Hkv, D)
+        return prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q,
+                                 ctx.max_seqlen_k, self.scale)
 
 
-# ---- sampling --------------------------------------------------------------------------------------------
+def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                            rotary: RotaryEmbedding, attn: Attention,
+                            q_norm: RMSNorm | None,
+                            k_norm: RMSNorm | None) -> tuple[Tensor, Tensor]:
+    """q/k RMSNorm (Qwen3), rotary and the K/V store as one Triton kernel: what SelfAttention's
+    plain steps compute, with one launch per layer instead of five."""
+    norm = None if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+    return rotary_and_store(q, k, v, positions, rotary.cos_sin, attn.k_cache, attn.v_cache,
+                            get_forward_context().slot_mapping, norm)
+
+
+def use_fused_kernels(x: Tensor) -> bool:
+    """Fused Triton kernels on the GPU (and under TRITON_INTERPRET=1); plain torch otherwise."""
+    return use_triton(x)
+
+
+# ---- sampling ------------------------------------------------------------------------------------
 class Sampler(nn.Module):
     """One token per row of logits, each row with its own temperature, top-k and top-p."""
 
     def forward(self, logits: Tensor, temperatures: Tensor | None, uniforms: Tensor | None = None,
                 top_ks: Tensor | None = None, top_ps: Tensor | None = None) -> Tensor:
-        # logits (S, V); temperatures (S,), None when every row is greedy; uniforms (S,) float32 in [0, 1), one
-        # per row, needed with temperatures; top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
+        # logits (S, V); temperatures (S,), None when every row is greedy; uniforms (S,) float32
+        # in [0, 1), one per row, with temperatures; top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
         if temperatures is None:
             return logits.argmax(-1)  # (S,)
         if top_ks is None and top_ps is None:
             return sample(logits, temperatures, uniforms)
-        scaled = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1)  # (S, V)
-        masked = self.mask_top_k_top_p(scaled, top_ks, top_ps)  # the top token always survives: greedy rows hold
+        scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
+        # the top token always survives the masks: greedy rows stay greedy
+        masked = self.mask_top_k_top_p(scaled, top_ks, top_ps)
         return sample(masked, (temperatures > 0).float(), uniforms)  # already scaled: T = 1, or 0
 
     @staticmethod
     def mask_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:
-        """Set to -inf every logit outside the top k and outside the smallest set reaching probability p."""
+        """-inf for every logit outside the top k, and outside the fewest tokens reaching p."""
         sorted_logits, order = logits.sort(-1, descending=True)  # (S, V)
         if top_ks is not None:
             ranks = torch.arange(logits.shape[-1], device=logits.device)
             k = torch.where(top_ks > 0, top_ks, logits.shape[-1])
-            sorted_logits = sorted_logits.masked_fill(ranks.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+            outside = ranks.unsqueeze(0) >= k.unsqueeze(1)  # (S, V)
+            sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         if top_ps is not None:
             probs = sorted_logits.softmax(-1)
-            # drop a token when the tokens before it already reach p (the most likely token always stays)
+            # drop a token when the tokens before it reach p (the most likely one always stays)
             drop = (probs.cumsum(-1) - probs) >= top_ps.unsqueeze(1)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

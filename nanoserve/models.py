@@ -10,23 +10,28 @@ weight loader where each checkpoint tensor goes. Owns the architecture, not the 
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from nanoserve.kernels import gate_up_silu
-from nanoserve.layers import (Attention, ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                              RowParallelLinear, VocabParallelEmbedding, silu_and_mul,
-                              tp_rank_and_size)
-
-# Up to this many tokens in a batch (decode batches) the MLP runs its gate/up projection and SiLU-and-mul as
-# one Triton kernel (kernels.gate_up_silu), 0.7-1.7 us per layer faster than cuBLAS plus the separate
-# elementwise kernel on an H100 at 32-256 rows; prefill-sized batches are compute-bound, where cuBLAS wins.
-FUSED_MAX_TOKENS = 512
+from nanoserve.layers import (
+    Attention,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    fused_norm_rotary_store,
+    silu_and_mul,
+    tp_rank_and_size,
+    use_fused_kernels,
+)
 
 
 def rope_theta(cfg: PretrainedConfig) -> float:
-    """Rotary base, from the transformers 5 `rope_parameters` dict or the older `rope_theta` field."""
+    """Rotary base, from transformers 5's `rope_parameters` or the older `rope_theta` field."""
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"rope scaling {rope_type!r} is not supported: use a checkpoint with plain rotary")
+        raise ValueError(f"rope scaling {rope_type!r} is not supported: use a checkpoint with "
+                         "plain rotary")
     return params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
 
 
@@ -34,10 +39,10 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: PretrainedConfig, qk_norm: bool, qkv_bias: bool) -> None:
         super().__init__()
         tp = tp_rank_and_size()[1]
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = D
         self.num_heads = cfg.num_attention_heads // tp  # H on this rank
         self.num_kv_heads = cfg.num_key_value_heads // tp  # Hkv on this rank
-        D = self.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_attention_heads * D, cfg.num_key_value_heads * D,
                               cfg.num_key_value_heads * D], bias=qkv_bias)
@@ -48,11 +53,19 @@ class SelfAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, D)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) D)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
-        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else None
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary.cos_sin, qk_norm))  # (N, hidden)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], -1)
+        q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)  # (N, heads, D)
+        if not use_fused_kernels(x):
+            if self.q_norm is not None:  # Qwen3: RMS-normalize each head of q and k
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)  # rotate each head by its token's position
+            self.attn.store_kv(k, v)  # into the paged cache, at the tokens' slots
+        else:  # the same three steps as one Triton kernel
+            q, k = fused_norm_rotary_store(positions, q, k, v, self.rotary, self.attn,
+                                           self.q_norm, self.k_norm)
+        o = self.attn(q, k, v)  # (N, H, D): attend to each sequence's cached context
+        return self.o_proj(o.flatten(1))  # (N, hidden)
 
 
 class MLP(nn.Module):
@@ -64,9 +77,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] <= FUSED_MAX_TOKENS:  # decode-sized: projection and SiLU-and-mul in one kernel
-            return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # (N, hidden)
+        gate_up = self.gate_up_proj(x)  # (N, 2 I): gate and up, one GEMM
+        return self.down_proj(silu_and_mul(gate_up))  # (N, I) -> (N, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -77,7 +89,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, positions: Tensor, x: Tensor,
+                residual: Tensor | None) -> tuple[Tensor, Tensor]:
         # the residual stream is carried separately so each norm can fuse "add, then normalize"
         if residual is None:
             x, residual = self.input_layernorm(x), x
@@ -90,8 +103,9 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embedding, layers, final norm; `compute_logits` applies the LM head to the hidden states."""
-    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                      "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
@@ -100,7 +114,8 @@ class DecoderModel(nn.Module):
         qkv_bias = qkv_bias or getattr(cfg, "attention_bias", False)
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, qkv_bias)
+                                          for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -113,8 +128,8 @@ class DecoderModel(nn.Module):
             x, residual = layer(positions, x, residual)
         return self.model.norm(x, residual)[0]  # (N, hidden)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor | None:
-        return self.lm_head(hidden)  # (S, V) on rank 0, None elsewhere
+    def compute_logits(self, hidden: Tensor, rows: Tensor | None = None) -> Tensor | None:
+        return self.lm_head(hidden, rows)  # (rows, V) on rank 0, None elsewhere
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

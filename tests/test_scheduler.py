@@ -5,12 +5,15 @@ Each test drives `schedule()` then `postprocess(batch, fake_token_ids)`, as LLME
 """
 import random
 
+import numpy as np
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from nanoserve.config import Config, SamplingParams
 from nanoserve.scheduler import Batch, Scheduler
-from nanoserve.sequence import PENDING, Sequence, SequenceStatus
+from nanoserve.overlap import PENDING, OverlapLoop
+from nanoserve.sequence import Sequence, SequenceStatus
 
 BS = 4  # tokens per KV block (allowed on the CPU)
 EOS = 999
@@ -74,7 +77,7 @@ def test_running_set_never_exceeds_max_num_seqs(model_dir):
         sched.add(seq)
     order = []
     for _ in range(100):
-        if sched.is_finished():
+        if not sched.has_unfinished():
             break
         batch, finished = step(sched)
         assert len(batch.seqs) <= 2 and len(sched.running) + len(finished) <= 2
@@ -197,7 +200,7 @@ def test_preemption_frees_newest_and_recomputes_it(model_dir, enable_prefix_cach
     # run to the end; every resumed sequence recomputes its generated tokens in one prefill
     resumed = []
     for _ in range(200):
-        if sched.is_finished():
+        if not sched.has_unfinished():
             break
         batch = sched.schedule()
         if batch.is_prefill:
@@ -207,7 +210,7 @@ def test_preemption_frees_newest_and_recomputes_it(model_dir, enable_prefix_cach
                 if seq.num_output_tokens:
                     resumed.append((seq, seq.num_output_tokens, seq.num_cached_tokens))
         sched.postprocess(batch, [55] * len(batch.seqs))
-    assert sched.is_finished()
+    assert not sched.has_unfinished()
     assert [seq.num_output_tokens for seq in (a, b, d, c)] == [10, 10, 10, 4]
     assert d in [seq for seq, _, _ in resumed]
     for seq, num_out, num_cached in resumed:
@@ -227,10 +230,10 @@ def test_lone_sequence_is_never_preempted_into_a_hang(model_dir):
     sched.add(a)
     sched.add(b)
     for _ in range(200):
-        if sched.is_finished():
+        if not sched.has_unfinished():
             break
         step(sched)
-    assert sched.is_finished() and a.num_output_tokens == b.num_output_tokens == 12
+    assert not sched.has_unfinished() and a.num_output_tokens == b.num_output_tokens == 12
     assert all_blocks_free(sched)
 
 
@@ -277,28 +280,27 @@ def true_token(seq: Sequence, position: int) -> int:
 
 
 def fake_token(seq: Sequence) -> int:
-    """What the fake GPU samples for seq's next position (the one after its last token, PENDING included)."""
+    """What the fake GPU samples for seq's next position (after its last token, PENDING too)."""
     return true_token(seq, seq.num_tokens)
 
 
 class FakeKVCache:
-    """What each cache slot holds: the tokens of the prefix whose last position's K/V was written there (K/V
-    depend on the whole prefix). A step writes its new tokens' slots, then reads every earlier position of
-    its sequences (as each layer stores before it attends): a read of a slot holding anything else is a
-    step that would attend to wrong K/V, the bug class of prefix caching and of recovery from failures."""
+    """What each cache slot holds: the tokens of the prefix whose last position's K/V was written
+    there (K/V depend on the whole prefix). A step writes its new tokens' slots, then reads every
+    earlier position of its sequences (as each layer stores before it attends): a read of a slot
+    holding anything else is a step that would attend to wrong K/V, the bug class of prefix
+    caching and of recovery from failures."""
 
     def __init__(self) -> None:
         self.slots: dict[int, tuple] = {}
 
-    def run(self, batch: Batch) -> None:
-        starts = batch.starts if batch.is_prefill else [seq.num_tokens - 1 for seq in batch.seqs]
-        spans = list(zip(batch.seqs, starts, batch.num_new_tokens))
+    def run(self, spans: list[tuple[Sequence, int, int]]) -> None:
         for seq, start, num_new in spans:
             for pos in range(start, start + num_new):
                 self.slots[self.slot(seq, pos)] = self.prefix(seq, pos)
         for seq, start, _ in spans:
             for pos in range(start):
-                assert self.slots.get(self.slot(seq, pos)) == self.prefix(seq, pos), "attends to wrong K/V"
+                assert self.slots.get(self.slot(seq, pos)) == self.prefix(seq, pos), "wrong K/V"
 
     @staticmethod
     def slot(seq: Sequence, pos: int) -> int:
@@ -309,8 +311,61 @@ class FakeKVCache:
         return tuple(true_token(seq, p) for p in range(pos + 1))
 
 
-def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: int, max_num_seqs: int,
-                aborted: set) -> None:
+class FakeOutput:
+    """A step's samples: on the 'device' (a tensor the next step may index) and, via tolist(),
+    on the host, where a failed step's failure surfaces (as a CUDA error would)."""
+
+    def __init__(self, tokens: list[int], failed: bool) -> None:
+        self.token_ids, self.failed = torch.tensor(tokens or [0]), failed
+
+    def tolist(self) -> list[int]:
+        if self.failed:
+            raise RuntimeError("simulated failure")
+        return self.token_ids.tolist()
+
+
+class FakeRunner:
+    """ModelRunner's interface without a model: at launch, each sequence's span is derived as
+    prepare() derives it, written to a FakeKVCache, and `sample(seq)` is 'sampled'. A step fails
+    with probability fail_rate; the steps launched after it, before its failure surfaces, are
+    lost too (they would run after it on the GPU)."""
+
+    def __init__(self, sample=fake_token, fail_rate: float = 0.0, rng=None, check=None) -> None:
+        self.sample, self.fail_rate, self.rng, self.check = sample, fail_rate, rng, check
+        self.kv, self.broken, self.launches, self.num_chunks = FakeKVCache(), False, [], 0
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array)
+
+    def run(self, batch: Batch, input_ids: torch.Tensor | None = None) -> FakeOutput:
+        if self.check:
+            self.check(batch)
+        starts = [seq.num_computed_tokens if batch.is_prefill else seq.num_tokens - 1
+                  for seq in batch.seqs]
+        spans = list(zip(batch.seqs, starts, batch.num_new_tokens))
+        self.launches.append([(seq.seq_id, start, n) for seq, start, n in spans])
+        self.num_chunks += any(start + n < seq.num_tokens for seq, start, n in spans)
+        if input_ids is not None:  # a decode launched ahead: its inputs are the last samples
+            assert PENDING not in input_ids.tolist()
+        self.broken |= self.fail_rate > 0 and self.rng.random() < self.fail_rate
+        if not self.broken:
+            self.kv.run(spans)
+        return FakeOutput([self.sample(seq) for seq in batch.seqs], self.broken)
+
+
+def plain_step(sched: Scheduler, runner: FakeRunner) -> tuple[list[Sequence], Batch]:
+    """LLMEngine.step with overlap off."""
+    batch = sched.schedule()
+    try:
+        tokens = runner.run(batch).tolist()
+    except RuntimeError:
+        sched.cancel(batch)
+        raise
+    return sched.postprocess(batch, tokens), batch
+
+
+def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: int,
+                max_num_seqs: int, aborted: set) -> None:
     bm = sched.block_manager
     assert 0 < len(batch.seqs) <= max_num_seqs and len(set(batch.seqs)) == len(batch.seqs)
     assert len(sched.running) <= max_num_seqs
@@ -318,39 +373,26 @@ def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: i
         assert sum(batch.num_new_tokens) <= budget
     else:
         assert batch.num_new_tokens == [1] * len(batch.seqs)
-    starts = batch.starts if batch.is_prefill else [seq.num_computed_tokens for seq in batch.seqs]
-    for seq, start, num_new in zip(batch.seqs, starts, batch.num_new_tokens):
-        assert num_new >= 1 and seq.num_computed_tokens <= start and start + num_new <= seq.num_tokens
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        start = seq.num_computed_tokens if batch.is_prefill else seq.num_tokens - 1
+        assert num_new >= 1 and start + num_new <= seq.num_tokens
         assert len(seq.block_table) * BS >= start + num_new  # slots for every new K/V
     waiting, running = set(sched.waiting), set(sched.running)
-    assert not waiting & running and len(waiting) == len(sched.waiting) and len(running) == len(sched.running)
+    assert not waiting & running
+    assert len(waiting) == len(sched.waiting) and len(running) == len(sched.running)
     refs = [0] * len(bm.blocks)
     for seq in added:
         in_queues = (seq in waiting) + (seq in running)
         assert in_queues == (0 if seq.is_finished or seq in aborted else 1)
         for block_id in seq.block_table:
             refs[block_id] += 1
-        for i in range(seq.num_hashed_blocks):  # a shared block holds exactly this sequence's tokens
+        for i in range(seq.num_hashed_blocks):  # a shared block holds exactly this one's tokens
             assert bm.blocks[seq.block_table[i]].token_ids == seq.block_tokens(i)
     assert [b.ref_count for b in bm.blocks] == refs
     assert set(bm.free_block_ids) == {i for i, r in enumerate(refs) if r == 0}
 
 
-@pytest.mark.parametrize("seed, enable_prefix_caching, overlap, failures", [
-    (0, True, False, False), (1, True, False, False), (2, False, False, False), (3, True, True, False),
-    (4, False, True, False), (27, True, True, True), (52, True, True, True), (6, True, False, True)])
-# seeds 27 and 52 have a request take a failed step's blocks as cache hits (caught without forget_uncomputed)
-def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_caching, overlap, failures):
-    """Many sequences, a tiny cache, chunking, preemption and random tokens: every sequence finishes
-    with the right tokens, every step reads only K/V its tokens wrote (FakeKVCache), and every block ends
-    free. overlap: drive it as LLMEngine.step does, each step scheduled ahead of its predecessor's tokens
-    when it can be (sampled at launch, known one step later). failures: now and then a step fails (it and
-    the step ahead of it are cancelled, as step() does) and a sequence of it is aborted (as generate() does)."""
-    rng = random.Random(seed)
-    budget, max_num_seqs, num_blocks, max_model_len = 16, 4, 10, 40
-    sched = make_scheduler(model_dir, num_kvcache_blocks=num_blocks, max_model_len=max_model_len,
-                           max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                           enable_prefix_caching=enable_prefix_caching)
+def random_workload(rng: random.Random, max_model_len: int) -> list[Sequence]:
     shared = [rng.randrange(40) for _ in range(12)]
     seqs = []
     for _ in range(40):
@@ -361,54 +403,10 @@ def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_cachin
                                 ignore_eos=rng.random() < 0.3,
                                 stop_token_ids=(rng.randrange(40),) if rng.random() < 0.2 else ())
         seqs.append(Sequence(tokens, params, BS))
-    pending, added, aborted, kv = list(seqs), [], set(), FakeKVCache()
-    num_steps = num_chunks = num_ahead = num_failed = 0
-    seen_preemption = False
+    return seqs
 
-    def launch(batch: Batch) -> tuple[Batch, list[int], bool]:
-        """Sample at launch; a failed step writes nothing (nor does anything after it on the GPU)."""
-        failed = failures and rng.random() < 0.08
-        if not failed:
-            kv.run(batch)
-        return batch, [fake_token(s) for s in batch.seqs], failed
 
-    ahead = None  # a step launched before the previous step's tokens were known
-    while pending or not sched.is_finished() or ahead:
-        for _ in range(rng.randint(0, 3)):  # requests keep arriving during the run
-            if pending:
-                added.append(pending.pop(0))
-                sched.add(added[-1])
-        if sched.is_finished() and not ahead:
-            continue
-        num_steps += 1
-        assert num_steps < 5000, "the scheduler made no progress"
-        if ahead:
-            (batch, tokens, failed), ahead = ahead, None
-        else:
-            batch = sched.schedule()
-            check_state(sched, added, batch, budget, max_num_seqs, aborted)
-            batch, tokens, failed = launch(batch)
-        seen_preemption |= any(s.num_output_tokens and not s.block_table for s in sched.waiting)
-        num_chunks += sum(s.num_computed_tokens + n < s.num_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
-        nxt = sched.schedule_ahead(batch) if overlap else None
-        if nxt:
-            check_state(sched, added, nxt, budget, max_num_seqs, aborted)
-            ahead, num_ahead = launch(nxt) if not failed else (nxt, [], True), num_ahead + 1
-        if not failed:
-            sched.postprocess(batch, tokens)
-            continue
-        num_failed += 1
-        for cancelled in (nxt, batch):
-            if cancelled:
-                sched.cancel(cancelled)
-        ahead = None
-        if rng.random() < 0.5:  # the failed step's caller gives up one of its requests
-            victim = rng.choice(batch.seqs)
-            if not victim.is_finished:
-                sched.abort([victim])
-                aborted.add(victim)
-    assert num_chunks > 0 and seen_preemption  # the workload really exercised both
-    assert (num_ahead > 0) == overlap and (num_failed > 0) == failures and (len(aborted) > 0) == failures
+def check_outputs(seqs: list[Sequence], aborted: set) -> None:
     for seq in seqs:
         if seq in aborted:
             continue
@@ -422,38 +420,94 @@ def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_cachin
         assert seq.finish_reason == ("stop" if last_stops else "length")
         if seq.finish_reason == "length":
             assert seq.num_output_tokens == p.max_tokens
+
+
+@pytest.mark.parametrize("seed, enable_prefix_caching, overlap, failures", [
+    (0, True, False, False), (1, True, False, False), (2, False, False, False),
+    (3, True, True, False), (4, False, True, False), (27, True, True, True),
+    (52, True, True, True), (6, True, False, True)])
+def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_caching, overlap,
+                                           failures):
+    """Many sequences, a tiny cache, chunking, preemption and random tokens: every sequence
+    finishes with the right tokens, every step reads only K/V its tokens wrote (FakeKVCache), and
+    every block ends free. overlap: driven by OverlapLoop. failures: now and then a step fails
+    (the loop cancels it and the step ahead of it) and a sequence of it is aborted (as generate()
+    does); some of them had taken a failed step's blocks as cache hits."""
+    rng = random.Random(seed)
+    budget, max_num_seqs, max_model_len = 16, 4, 40
+    sched = make_scheduler(model_dir, num_kvcache_blocks=10, max_model_len=max_model_len,
+                           max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                           enable_prefix_caching=enable_prefix_caching)
+    seqs = random_workload(rng, max_model_len)
+    pending, added, aborted = list(seqs), [], set()
+    runner = FakeRunner(fail_rate=0.08 if failures else 0.0, rng=rng, check=lambda batch:
+                        check_state(sched, added, batch, budget, max_num_seqs, aborted))
+    loop = OverlapLoop(sched, runner) if overlap else None
+    num_steps = num_failed = num_ahead = 0
+    seen_preemption = False
+    while pending or sched.has_unfinished() or (loop and loop.ahead):
+        for _ in range(rng.randint(0, 3)):  # requests keep arriving during the run
+            if pending:
+                added.append(pending.pop(0))
+                sched.add(added[-1])
+        if not sched.has_unfinished() and not (loop and loop.ahead):
+            continue
+        num_steps += 1
+        assert num_steps < 5000, "the scheduler made no progress"
+        seen_preemption |= any(s.num_output_tokens and not s.block_table for s in sched.waiting)
+        try:
+            loop.step() if loop else plain_step(sched, runner)
+        except RuntimeError:
+            num_failed += 1
+            runner.broken = False
+            if rng.random() < 0.5:  # the failed step's caller gives up one of its requests
+                victim = rng.choice(runner.launches[-1])[0]
+                seq = next(s for s in added if s.seq_id == victim)
+                if not seq.is_finished:
+                    sched.abort([seq])
+                    aborted.add(seq)
+            continue
+        num_ahead += loop is not None and loop.ahead is not None
+    assert runner.num_chunks > 0 and seen_preemption  # the workload really exercised both
+    assert (num_ahead > 0) == overlap and (num_failed > 0) == failures
+    assert (len(aborted) > 0) == failures
+    check_outputs(seqs, aborted)
     assert all_blocks_free(sched)
 
 
-def test_schedule_ahead_fills_placeholders_and_drops_the_token_after_eos(model_dir):
+def test_overlap_fills_placeholders_and_drops_the_token_after_eos(model_dir):
     sched = make_scheduler(model_dir)
     a, b = make_seq(prompt(6), max_tokens=10), make_seq(prompt(6, 50), max_tokens=2)
     for seq in (a, b):
         sched.add(seq)
-    prefill, _ = step(sched)
-    assert sched.schedule_ahead(prefill) is None  # no prompt waits: the first decode waits for the prefill's tokens
-    decode = sched.schedule()
-    ahead = sched.schedule_ahead(decode)  # b reaches max_tokens in `decode`: it does not go on
-    assert ahead.seqs == [a] and a.token_ids[-1] == PENDING and a.num_tokens == 8
-    assert len(a.block_table) == 2  # a block for the pending token's K/V (position 7)
-    assert sched.postprocess(decode, [EOS, 5]) == [a, b]  # a samples EOS: found now, one step late
-    assert a.token_ids[-2:] == [7, EOS] and a.finish_reason == "stop" and b.output_token_ids == [7, 5]
-    assert sched.postprocess(ahead, [8]) == [] and a.output_token_ids == [7, EOS]  # the extra token is dropped
-    assert all_blocks_free(sched) and sched.is_finished()
+    runner = FakeRunner(sample=lambda seq: EOS if seq is a and seq.num_tokens == 7 else 5)
+    loop = OverlapLoop(sched, runner)
+    loop.step()  # the prefill; no prompt waits, so nothing goes ahead of it
+    assert loop.ahead is None and a.output_token_ids == b.output_token_ids == [5]
+    finished, _ = loop.step()  # the decode; a's next decode is launched before its tokens are read
+    ahead_batch = loop.ahead[0]
+    assert ahead_batch.seqs == [a]  # b reached max_tokens: it does not go on
+    assert runner.launches[-1] == [(a.seq_id, 7, 1)]  # the pending token's K/V, position 7
+    assert finished == [a, b] and a.output_token_ids == [5, EOS] and PENDING not in a.token_ids
+    loop.finish()  # the step launched for a: its token is dropped, a already finished
+    assert a.output_token_ids == [5, EOS] and a.finish_reason == "stop"
+    assert b.output_token_ids == [5, 5] and b.finish_reason == "length"
+    assert all_blocks_free(sched) and not sched.has_unfinished()
 
 
-def test_nothing_is_scheduled_ahead_while_prompts_wait_or_blocks_run_short(model_dir):
+def test_nothing_goes_ahead_while_prompts_wait_or_blocks_run_short(model_dir):
     sched = make_scheduler(model_dir, num_kvcache_blocks=4, max_model_len=16)
     a, b = make_seq(prompt(8), max_tokens=8), make_seq(prompt(3, 50), max_tokens=8)
     for seq in (a, b):
         sched.add(seq)
     step(sched)  # a: 9 tokens, b: 4 tokens
     decode = sched.schedule()  # a takes the last free block for its 9th token
+    loop = OverlapLoop(sched, FakeRunner())
     sched.add(make_seq(prompt(4, 100)))
-    assert sched.schedule_ahead(decode) is None  # a prompt waits: the next step may be its prefill
+    assert loop._schedule_decode(decode) is None  # a prompt waits: the next step may be a prefill
     sched.waiting.clear()
     assert sched.block_manager.num_free_blocks == 0
-    assert sched.schedule_ahead(decode) is None  # b's 5th token would need a fifth block
+    assert loop._schedule_decode(decode) is None  # b's 5th token would need a fifth block
     assert PENDING not in a.token_ids + b.token_ids
 
 
@@ -464,57 +518,57 @@ def test_later_prompt_of_the_same_prefill_batch_reuses_the_shared_prefix(model_d
     for seq in (a, b):
         sched.add(seq)
     batch = sched.schedule()
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [10, 1]  # b computes only its own token
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [10, 1]  # b computes its own token
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
 
 
-def test_prefill_scheduled_ahead_continues_the_chunk_in_flight(model_dir):
+def test_prefill_launched_ahead_continues_the_chunk_in_flight(model_dir):
     sched = make_scheduler(model_dir, max_num_batched_tokens=8)
     a, b = make_seq(prompt(20)), make_seq(prompt(5, 100))
     for seq in (a, b):
         sched.add(seq)
-    first = sched.schedule()
-    assert first.seqs == [a] and first.starts == [0] and first.num_new_tokens == [8]
-    second = sched.schedule_ahead(first)  # a's tokens 0-7 are still in flight: the next chunk starts at 8
-    assert second.seqs == [a] and second.starts == [8] and second.num_new_tokens == [8]
-    assert sched.postprocess(first, [1]) == [] and a.num_computed_tokens == 8 and a.output_token_ids == []
-    third = sched.schedule_ahead(second)  # a's last 4 tokens, then b's first 4 of 5
-    assert third.seqs == [a, b] and third.starts == [16, 0] and third.num_new_tokens == [4, 4]
+    runner = FakeRunner(sample=lambda seq: 7)
+    loop = OverlapLoop(sched, runner)
+    loop.step()  # a's tokens 0-7, and (while they are in flight) 8-15
+    assert runner.launches == [[(a.seq_id, 0, 8)], [(a.seq_id, 8, 8)]]
+    assert a.num_computed_tokens == 8 and a.output_token_ids == []
+    loop.step()  # a's last 4 tokens and b's first 4 of 5 go ahead
+    assert runner.launches[2] == [(a.seq_id, 16, 4), (b.seq_id, 0, 4)]
     assert list(sched.waiting) == [b] and list(sched.running) == [a]
-    sched.postprocess(second, [1])
-    fourth = sched.schedule_ahead(third)
-    assert fourth.seqs == [b] and fourth.starts == [4] and fourth.num_new_tokens == [1]
-    sched.postprocess(third, [7, 1])
+    loop.step()
+    assert runner.launches[3] == [(b.seq_id, 4, 1)]
     assert a.num_computed_tokens == 20 and a.output_token_ids == [7] and b.num_computed_tokens == 4
-    assert sched.schedule_ahead(fourth) is None  # no prompt waits any more
-    sched.postprocess(fourth, [9])
-    assert b.output_token_ids == [9] and not sched.waiting
+    loop.step()  # no prompt waits any more: nothing goes ahead
+    assert len(runner.launches) == 4 and b.output_token_ids == [7] and not sched.waiting
 
 
-def test_a_prefill_scheduled_ahead_can_be_cancelled(model_dir):
+def test_a_failed_prefill_cancels_the_prefill_launched_ahead(model_dir):
     sched = make_scheduler(model_dir, max_num_batched_tokens=8)
     a, b, c = make_seq(prompt(10)), make_seq(prompt(3, 100)), make_seq(prompt(9, 200))
     for seq in (a, b, c):
         sched.add(seq)
-    first = sched.schedule()
-    ahead = sched.schedule_ahead(first)
-    assert ahead.seqs == [a, b, c] and ahead.starts == [8, 0, 0] and list(sched.waiting) == [c]
-    sched.cancel(ahead)  # the first prefill failed: a and b wait again, in order, with their blocks
-    assert list(sched.waiting) == [a, b, c] and not sched.running
+    runner = FakeRunner(fail_rate=1.0, rng=random.Random(0))
+    loop = OverlapLoop(sched, runner)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        loop.step()
+    assert runner.launches[1] == [(a.seq_id, 8, 2), (b.seq_id, 0, 3), (c.seq_id, 0, 3)]
+    assert list(sched.waiting) == [a, b, c] and not sched.running and loop.ahead is None
     assert all(seq.status == SequenceStatus.WAITING for seq in (a, b, c))
-    again = sched.schedule()  # nothing was recorded as computed: a runs again from its start
-    assert again.seqs == [a] and again.starts == [0] and again.num_new_tokens == [8]
+    runner.fail_rate, runner.broken = 0.0, False
+    loop.step()  # nothing was recorded as computed: a runs again from its start
+    assert runner.launches[2] == [(a.seq_id, 0, 8)]
 
 
-def test_a_step_scheduled_ahead_can_be_cancelled(model_dir):
+def test_a_failed_decode_cancels_the_decode_launched_ahead(model_dir):
     sched = make_scheduler(model_dir)
     a = make_seq(prompt(6), max_tokens=10)
     sched.add(a)
     step(sched)
-    decode = sched.schedule()
-    ahead = sched.schedule_ahead(decode)
-    assert a.token_ids[-1] == PENDING
-    sched.cancel(ahead)  # decode failed: neither step is postprocessed
-    assert PENDING not in a.token_ids and a.num_tokens == 7
+    runner = FakeRunner(fail_rate=1.0, rng=random.Random(0))
+    loop = OverlapLoop(sched, runner)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        loop.step()  # the decode fails after the next one was launched: neither is postprocessed
+    assert len(runner.launches) == 2 and PENDING not in a.token_ids and a.num_tokens == 7
+    assert loop.ahead is None
     batch, _ = step(sched)  # the lost step is simply run again
     assert batch.seqs == [a] and a.num_tokens == 8 and a.num_computed_tokens == 7

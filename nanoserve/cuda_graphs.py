@@ -1,0 +1,91 @@
+"""CUDA graphs for decode: one captured forward pass per batch size, replayed every decode step.
+
+A decode step launches ~10 kernels per layer, each small; launched one by one from Python the host
+is slower than the GPU. A CUDA graph records the whole forward once per batch size and replays it
+with a single launch. A graph reads and writes fixed buffers, so replay copies the batch into them
+first; a batch of S sequences replays the smallest captured size >= S, its padded rows writing
+nowhere (slot -1) and attending to nothing (context 0).
+The LM head runs outside the graphs, but only at captured sizes, all run once at capture: a GEMM
+shape cuBLAS meets for the first time loads a kernel lazily, which stalls the host.
+Owned and called by model_runner on the GPU (not with enforce_eager).
+"""
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nanoserve.layers import ForwardContext, forward_context
+from nanoserve.models import DecoderModel
+
+if TYPE_CHECKING:
+    from nanoserve.model_runner import BatchInputs
+
+GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch sizes captured
+
+
+def graph_batch_size(num_seqs: int) -> int:
+    """The captured size for num_seqs sequences: the smallest that holds them, else the largest."""
+    return next((b for b in GRAPH_BATCH_SIZES if b >= num_seqs), GRAPH_BATCH_SIZES[-1])
+
+
+def pinned(array: np.ndarray) -> Tensor:
+    """array in pinned host memory: a copy from there to the GPU is queued and returns at once,
+    while one from pageable memory waits for every queued kernel, stalling the host."""
+    return torch.from_numpy(array).pin_memory()
+
+
+class DecodeGraphs:
+    def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
+                 use_cascade: Callable[[int], bool], dtype: torch.dtype) -> None:
+        """Capture a graph for every size up to max_batch (with cascade attention too where
+        use_cascade(size) allows it); all share one memory pool."""
+        self.model = model
+        hidden_size = model.model.embed_tokens.weight.shape[1]
+        self.buffers = {  # static inputs and output that every graph reads and writes
+            "input_ids": torch.zeros(max_batch, dtype=torch.int64),
+            "positions": torch.zeros(max_batch, dtype=torch.int64),
+            "slot_mapping": torch.full((max_batch,), -1, dtype=torch.int32),
+            "context_lens": torch.zeros(max_batch, dtype=torch.int32),
+            "block_tables": torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32),
+            "num_common_blocks": torch.zeros(1, dtype=torch.int32),
+            "hidden": torch.zeros(max_batch, hidden_size, dtype=dtype)}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade) -> graph
+        self.pool = None
+        for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):  # largest first:
+            for cascade in {False, use_cascade(bs)}:  # the smaller ones reuse its memory pool
+                self.graphs[bs, cascade] = self._capture(bs, cascade)
+        for bs in {bs for bs, _ in self.graphs}:  # load the LM head's GEMM kernels now
+            model.compute_logits(self.buffers["hidden"][:bs])
+        torch.cuda.synchronize()
+
+    def _capture(self, bs: int, cascade: bool) -> torch.cuda.CUDAGraph:
+        b = {name: buf[:bs] for name, buf in self.buffers.items()}
+        ctx = ForwardContext(is_prefill=False, slot_mapping=b["slot_mapping"],
+                             context_lens=b["context_lens"], block_tables=b["block_tables"],
+                             num_common_blocks=b["num_common_blocks"] if cascade else None)
+        graph = torch.cuda.CUDAGraph()
+        with forward_context(ctx):
+            b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured
+            with torch.cuda.graph(graph, self.pool):
+                b["hidden"][:] = self.model(b["input_ids"], b["positions"])
+        self.pool = self.pool or graph.pool()
+        return graph
+
+    def replay(self, inputs: "BatchInputs", input_ids: Tensor) -> Tensor:
+        """Run the decode forward of inputs; returns (graph size, hidden), padded rows included."""
+        bs = len(inputs.positions)
+        graph_bs = graph_batch_size(bs)
+        buf = self.buffers
+        buf["input_ids"][:bs].copy_(input_ids)
+        for name in ("positions", "slot_mapping", "context_lens"):
+            buf[name][:bs].copy_(pinned(getattr(inputs, name)), non_blocking=True)
+        buf["slot_mapping"][bs:graph_bs].fill_(-1)  # padded rows write nowhere...
+        buf["context_lens"][bs:graph_bs].zero_()  # ...and attend to nothing
+        width = inputs.block_tables.shape[1]
+        buf["block_tables"][:bs, :width].copy_(pinned(inputs.block_tables), non_blocking=True)
+        buf["num_common_blocks"].fill_(inputs.num_common_blocks)  # read by cascade graphs only
+        # the cascade graph only when blocks are shared: else its prefix kernel runs for nothing
+        self.graphs[graph_bs, inputs.num_common_blocks > 0].replay()
+        return buf["hidden"][:graph_bs]

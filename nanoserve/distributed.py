@@ -1,0 +1,146 @@
+"""Tensor parallelism's processes: the worker ranks, the shared-memory calls to them, their loop.
+
+Rank 0 runs in the user's process; ranks 1..N-1 are processes started with spawn (`Workers`).
+Every step rank 0 pickles the call ("forward", inputs) into one shared-memory segment and wakes
+each worker with a semaphore (an Event's set() blocks forever if a waiter was killed); every rank
+then runs the same forward pass and meets the others in the collectives (NCCL on GPUs, gloo on
+CPUs). A worker that fails reports its traceback through a queue; rank 0 checks every step.
+Invariant: after Workers.shutdown() no process, shared-memory segment or semaphore is left.
+"""
+import gc
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Semaphore
+from typing import Any
+from uuid import uuid4
+
+import torch.distributed as dist
+
+from nanoserve.config import Config
+
+SHM_BYTES = 1 << 24  # shared-memory segment for rank 0's calls: 16 MiB of pickled arguments
+DIST_TIMEOUT_SECONDS = 120  # a collective waiting longer than this for a silent peer raises
+WORKER_JOIN_SECONDS = 5  # how long shutdown waits for a worker before killing it
+WORKER_ERROR_WAIT_SECONDS = 0.5  # how long a failure waits for the workers' own error reports
+PEER_EXIT_WAIT_SECONDS = 5  # after a collective fails, how long to wait for a dying worker
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on, so every engine gets its own rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(config: Config, rank: int, port: int) -> None:
+    backend = "nccl" if config.device == "cuda" else "gloo"  # same code either way
+    dist.init_process_group(backend, world_size=config.tensor_parallel_size, rank=rank,
+                            init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=timedelta(seconds=DIST_TIMEOUT_SECONDS))
+
+
+def write_call(shm: SharedMemory, method: str, args: tuple) -> None:
+    data = pickle.dumps((method, args))
+    assert len(data) + 4 <= SHM_BYTES, "call arguments exceed the shared-memory segment"
+    shm.buf[:4] = len(data).to_bytes(4, "little")
+    shm.buf[4:4 + len(data)] = data
+
+
+def read_call(shm: SharedMemory) -> tuple[str, tuple]:
+    n = int.from_bytes(shm.buf[:4], "little")
+    return pickle.loads(shm.buf[4:4 + n])
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: start them, call them, check them, stop them."""
+
+    def __init__(self, config: Config) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel engine (one process "
+                               "group per process): shut it down first, or use another process")
+        ctx = mp.get_context("spawn")
+        self.port = free_port()
+        self.shm = SharedMemory(name=f"nanoserve-{uuid4().hex[:16]}", create=True, size=SHM_BYTES)
+        self.errors = ctx.Queue()
+        self.wakeups = [ctx.Semaphore(0) for _ in range(1, config.tensor_parallel_size)]
+        self.procs: list[mp.Process] = []
+        for rank, wakeup in enumerate(self.wakeups, start=1):
+            args = (config, rank, self.shm.name, wakeup, self.port, self.errors)
+            proc = ctx.Process(target=worker_main, args=args, daemon=True)
+            proc.start()
+            self.procs.append(proc)
+
+    def call(self, method: str, *args: Any) -> None:
+        """Have every worker run ModelRunner.<method>(*args), as rank 0 does meanwhile."""
+        write_call(self.shm, method, args)
+        for wakeup in self.wakeups:
+            wakeup.release()
+
+    def check(self, wait_seconds: float = 0.0) -> None:
+        """Raise a RuntimeError with the workers' errors if any worker died. wait_seconds: after a
+        broken collective a peer is dying but may not be reaped yet, so wait for it."""
+        if wait_seconds:
+            exited = mp.connection.wait([p.sentinel for p in self.procs], timeout=wait_seconds)
+            for p in self.procs:
+                if p.sentinel in exited:
+                    p.join(WORKER_JOIN_SECONDS)  # the sentinel closes just before the exit
+        dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        if not dead:
+            return
+        lines = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}" for rank, p in dead]
+        while True:  # what the workers reported before exiting; a SIGKILLed one reports nothing
+            try:
+                lines.append(self.errors.get(timeout=WORKER_ERROR_WAIT_SECONDS))
+            except queue.Empty:
+                break
+        raise RuntimeError("a tensor-parallel worker failed; shut this engine down and start a "
+                           "new one.\n" + "\n".join(lines))
+
+    def shutdown(self) -> None:
+        """Join (or kill) the workers, then free the segment and the semaphores."""
+        for proc in self.procs:
+            proc.join(WORKER_JOIN_SECONDS)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            proc.close()  # a Process keeps its arguments, the semaphores among them
+        self.errors.close()
+        self.errors.join_thread()
+        self.shm.close()
+        self.shm.unlink()
+        # a spawn-context semaphore lives in /dev/shm until its last Python reference goes
+        self.procs, self.errors, self.wakeups = [], None, []
+        gc.collect()
+
+
+def worker_main(config: Config, rank: int, shm_name: str, wakeup: Semaphore, port: int,
+                errors: mp.Queue) -> None:
+    """Entry point of ranks 1..N-1: build the same model shard, then serve rank 0's calls."""
+    # a daemon process may not start children, and torch.compile's compile pool is one
+    import torch._inductor.config
+
+    from nanoserve.model_runner import ModelRunner  # (model_runner imports this module)
+    torch._inductor.config.compile_threads = 1
+    try:
+        runner = ModelRunner(config, rank, port)
+        shm = SharedMemory(shm_name)
+        while True:
+            wakeup.acquire()
+            method, args = read_call(shm)
+            if method == "exit":
+                break
+            getattr(runner, method)(*args)
+        shm.close()
+        runner.shutdown()
+    except BaseException:  # report any failure to rank 0 instead of dying silently
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        errors.close()
+        errors.join_thread()  # the report is in the pipe now
+        os._exit(1)  # skip atexit hooks (the compile pool can block there): rank 0 sees us die

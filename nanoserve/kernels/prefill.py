@@ -1,0 +1,73 @@
+"""Prefill attention: packed variable-length causal attention over new tokens and cached context.
+
+Owns no Triton kernel: on the GPU it calls FlashAttention (flash-attn when installed, else torch's
+built-in FlashAttention-2); on the CPU, and as the test oracle, prefill_attention_ref. No paging: a
+prefix-cache hit first gathers its context's K/V (context_slots, then gather_kv). Invariant: the
+causal mask is aligned bottom-right, so query i of a sequence is its token Lk - Lq + i. Called by
+layers.Attention; model_runner computes context_slots once per step.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # optional dependency: the fastest varlen prefill when installed
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int, scale: float) -> Tensor:
+    """Causal varlen attention, q (Nq, H, D), k/v (Nk, Hkv, D) -> (Nq, H, D); mask bottom-right."""
+    assert q.shape[1] % k.shape[1] == 0 and k.shape == v.shape and q.shape[2] == k.shape[2]
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return prefill_attention_ref(*args, scale)
+    if flash_attn_varlen_func is not None:  # flash-attn's causal mask is bottom-right (>= 2.1)
+        return flash_attn_varlen_func(*args, softmax_scale=scale, causal=True)
+    # torch's built-in FlashAttention-2: packed varlen, GQA, bottom-right causal; (out, lse, ...)
+    out, *_ = torch.ops.aten._flash_attention_forward(*args, 0.0, True, False, scale=scale)
+    return out  # (Nq, H, D)
+
+
+def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          scale: float) -> Tensor:
+    """torch SDPA per sequence with an explicit bottom-right causal mask (CPU path, test oracle)."""
+    out = torch.empty_like(q)  # (Nq, H, D)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
+        Lq, Lk = q1 - q0, k1 - k0
+        # bottom-right: query i is token Lk - Lq + i of the sequence (the first Lk - Lq are cached)
+        mask = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(diagonal=Lk - Lq)
+        o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
+                                           v[k0:k1].transpose(0, 1), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)  # (H, Lq, D)
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def context_slots(block_tables: Tensor, cu_seqlens_k: Tensor, block_size: int,
+                  num_tokens: int | None = None) -> Tensor:
+    """Cache slot of each of the first Lk_s tokens of every sequence s, packed (Nk,) int64: where a
+    prefill with prefix hits reads its context's K/V (gather_kv). Computed once per step, then used
+    by every layer. num_tokens = Nk = cu_seqlens_k[-1]; passing it from the host saves a
+    device-to-host sync."""
+    assert block_tables.shape[0] == cu_seqlens_k.shape[0] - 1
+    if num_tokens is None:
+        num_tokens = int(cu_seqlens_k[-1])  # host sync
+    token = torch.arange(num_tokens, dtype=cu_seqlens_k.dtype, device=block_tables.device)  # (Nk,)
+    seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)  # (Nk,) each token's sequence
+    pos = (token - cu_seqlens_k[seq]).long()  # (Nk,) its position within that sequence
+    block_id = block_tables[seq, pos // block_size].long()  # (Nk,)
+    return block_id * block_size + pos % block_size  # slot = block_id * B + offset
+
+
+def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V (Nk, Hkv, D) of the cache slots (Nk,): a prefill's whole context, packed, for prefix
+    hits."""
+    Hkv, D = k_cache.shape[2:]
+    return k_cache.view(-1, Hkv, D)[slots], v_cache.view(-1, Hkv, D)[slots]

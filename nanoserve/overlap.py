@@ -1,0 +1,116 @@
+"""Overlap scheduling: the next step is scheduled and launched while this one runs on the GPU.
+
+The plain loop (LLMEngine.step) waits for a step's tokens before it schedules the next step, so the
+GPU idles while the host postprocesses, schedules and prepares. OverlapLoop runs the same three
+calls in another order: launch step N+1, then wait for step N's tokens and postprocess them.
+- After a prefill, the next prefill needs none of its tokens; a chunked prompt continues past the
+  chunk in flight.
+- After a decode, the next decode needs tokens that are not known yet: each sequence that goes on
+  gets a PENDING placeholder on the host, while the GPU reads the real token from the previous
+  step's output on the device. A sequence that samples EOS is found one step late; that step's
+  token is dropped.
+Owns: the step in flight and the cancel path for it. Used by llm_engine on a single rank.
+"""
+import numpy as np
+
+from nanoserve.model_runner import ModelRunner, StepOutput
+from nanoserve.scheduler import Batch, Scheduler
+from nanoserve.sequence import Sequence
+
+PENDING = -1  # token id placeholder: sampled by a step still running on the GPU
+
+
+class OverlapLoop:
+    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
+        self.scheduler, self.model_runner = scheduler, model_runner
+        self.ahead: tuple[Batch, StepOutput] | None = None  # launched, not yet postprocessed
+
+    def step(self) -> tuple[list[Sequence], Batch]:
+        """Postprocess one step, with the step after it already launched when possible."""
+        batch, out = self.ahead if self.ahead is not None else (self.scheduler.schedule(), None)
+        self.ahead = None
+        try:
+            if out is None:
+                out = self.model_runner.run(batch)
+            self.ahead = self._launch_next(batch, out)
+            finished = self._postprocess(batch, out.tolist())
+        except BaseException:  # neither step will be postprocessed
+            self.cancel()  # the later one first, so the prompts keep their order
+            self.cancel(batch)
+            raise
+        return finished, batch
+
+    def _launch_next(self, batch: Batch, out: StepOutput) -> tuple[Batch, StepOutput] | None:
+        """The step after `batch`, launched: a prefill after a prefill while prompts wait; a
+        decode after a decode when no prompt waits and every sequence has a free slot."""
+        if batch.is_prefill:
+            return self._launch_prefill(batch) if self.scheduler.waiting else None
+        nxt = self._schedule_decode(batch)
+        if nxt is None:
+            return None
+        rows = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
+        index = np.array([rows[seq.seq_id] for seq in nxt.seqs], np.int64)  # (S,)
+        try:  # the input tokens are batch's samples, read on the device
+            input_ids = out.token_ids[self.model_runner.to_device(index)]
+            return nxt, self.model_runner.run(nxt, input_ids=input_ids)
+        except BaseException:
+            self.cancel(nxt)
+            raise
+
+    def _launch_prefill(self, batch: Batch) -> tuple[Batch, StepOutput] | None:
+        head, nxt, out = self.scheduler.waiting[0], None, None
+        # a prompt chunked in `batch`: its next chunk starts after the one in flight
+        in_flight = batch.num_new_tokens[-1] if batch.seqs[-1] is head else 0
+        try:
+            head.num_computed_tokens += in_flight  # until nxt is prepared; postprocess counts it
+            try:
+                nxt = self.scheduler.schedule_prefill()
+                out = self.model_runner.run(nxt) if nxt.seqs else None
+            finally:
+                head.num_computed_tokens -= in_flight
+        except BaseException:
+            if nxt is not None:
+                self.cancel(nxt)
+            raise
+        return (nxt, out) if out is not None else None
+
+    def _schedule_decode(self, batch: Batch) -> Batch | None:
+        bm = self.scheduler.block_manager
+        if self.scheduler.waiting:
+            return None  # the next step may be a prompt's prefill
+        seqs = [seq for seq in batch.seqs
+                if not seq.is_finished and seq.num_output_tokens + 1 < seq.params.max_tokens]
+        new_blocks = sum(bm.num_missing_blocks(seq, num_extra_tokens=1) for seq in seqs)
+        if not seqs or new_blocks > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            seq.append_token(PENDING)
+            bm.append_slot(seq)
+        return Batch(seqs, [1] * len(seqs), is_prefill=False)
+
+    def _postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
+        # a sequence that finished in the step before (EOS seen late) drops this step's token
+        kept = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+        for i in kept:
+            if batch.seqs[i].token_ids[-1] == PENDING:  # the real token replaces the placeholder
+                batch.seqs[i].token_ids.pop()
+        live = Batch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
+                     batch.is_prefill)
+        return self.scheduler.postprocess(live, [token_ids[i] for i in kept])
+
+    def finish(self) -> None:
+        """Postprocess the step in flight (launched for sequences that turned out finished)."""
+        if self.ahead is not None:
+            (batch, out), self.ahead = self.ahead, None
+            self._postprocess(batch, out.tolist())
+
+    def cancel(self, batch: Batch | None = None) -> None:
+        """Forget a step that will never be postprocessed (by default the one in flight)."""
+        if batch is None:
+            if self.ahead is None:
+                return
+            (batch, _), self.ahead = self.ahead, None
+        for seq in batch.seqs:
+            if seq.token_ids[-1] == PENDING:
+                seq.token_ids.pop()
+        self.scheduler.cancel(batch)
