@@ -1,11 +1,11 @@
-"""CPU tests of bench.py's pure parts: the workload generators, the roofline arithmetic and the PNG
-writer. Fast: nothing here loads a model."""
+"""CPU tests of bench.py and bench_utils.py: the workload generators, the roofline arithmetic, the
+GPU sample summary, the chart, the timing loop with a fake engine, and a smoke run of the engines
+on a tiny random Qwen3 (seconds on a CPU)."""
 import argparse
+import contextlib
 import json
 import random
-import struct
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
+import bench_utils  # noqa: E402
 
 
 def test_w1_is_nano_vllms_workload():
@@ -20,7 +21,8 @@ def test_w1_is_nano_vllms_workload():
     assert wl.output_tokens == 133_966
     # the same draws as nano-vllm's bench.py, written with the global random module
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+               for _ in range(256)]
     output_lens = [random.randint(100, 1024) for _ in range(256)]
     assert wl.prompts == prompts and wl.output_lens == output_lens
 
@@ -34,23 +36,24 @@ def test_w2_shares_one_prefix():
 
 
 def test_build_workloads_scales_and_keeps_defaults():
-    args = argparse.Namespace(num_seqs=None, max_input_len=None, max_output_len=None, workload="w1,w2")
-    w1, w2 = bench.build_workloads(args, cpu=False)
+    defaults = argparse.Namespace(num_seqs=None, max_input_len=None, max_output_len=None,
+                                  workload="w1,w2")
+    w1, w2 = bench.build_workloads(defaults, cpu=False)
     assert w1.output_tokens == 133_966 and len(w2.prompts[0]) > 1024
     args = argparse.Namespace(num_seqs=8, max_input_len=50, max_output_len=20, workload="w1,w2")
     w1, w2 = bench.build_workloads(args, cpu=False)
     assert len(w1.prompts) == 8 and all(len(p) <= 50 for p in w1.prompts)
     assert all(n <= 20 for n in w1.output_lens) and w2.output_lens == [20] * 8
-    w1, _ = bench.build_workloads(argparse.Namespace(num_seqs=None, max_input_len=None, max_output_len=None,
-                                                     workload="w1,w2"), cpu=True)
+    w1, _ = bench.build_workloads(defaults, cpu=True)
     assert len(w1.prompts) == 16 and all(32 <= n <= 128 for n in w1.output_lens)
 
 
 def test_kv_bytes_per_token_qwen3_0_6b():
     cfg = {**bench.QWEN3_0_6B, "dtype": "bfloat16"}
     assert bench.kv_bytes_per_token(cfg) == 2 * 28 * 8 * 128 * 2 == 114_688
-    smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
-               "torch_dtype": "float32"}                                          # head_dim from hidden / heads
+    # no head_dim: hidden / heads
+    smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "num_hidden_layers": 30, "torch_dtype": "float32"}
     assert bench.kv_bytes_per_token(smollm2) == 2 * 30 * 3 * 64 * 4
 
 
@@ -65,66 +68,140 @@ def test_decode_bound_hand_computed():
 
 def test_decode_bound_w1_on_h100_is_plausible():
     wl = bench.make_w1()
-    weights = 596_049_920 * 2                       # Qwen3-0.6B parameters in bf16, tied head counted once
-    secs = bench.decode_bound_seconds([len(p) for p in wl.prompts], wl.output_lens, weights, 114_688, 3.35e12)
-    steps = max(wl.output_lens)                     # 256 <= max_num_seqs: all requests decode together
-    assert secs > steps * weights / 3.35e12         # the weights alone, once a step
+    weights = 596_049_920 * 2              # Qwen3-0.6B parameters in bf16, tied head counted once
+    prompt_lens = [len(p) for p in wl.prompts]
+    secs = bench.decode_bound_seconds(prompt_lens, wl.output_lens, weights, 114_688, 3.35e12)
+    steps = max(wl.output_lens)            # 256 <= max_num_seqs: all requests decode together
+    assert secs > steps * weights / 3.35e12   # the weights alone, once a step
     assert 5_000 < wl.output_tokens / secs < 50_000
 
 
 def test_weight_bytes_reads_safetensors_headers(tmp_path):
     from safetensors.torch import save_file
-    save_file({"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)}, str(tmp_path / "m.safetensors"),
-              metadata={"format": "pt"})
+    tensors = {"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)}
+    save_file(tensors, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
     assert bench.weight_bytes(str(tmp_path)) == 3 * 4 * 2 + 5 * 4
 
 
-@pytest.mark.parametrize("name, bandwidth", [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12),
-                                             ("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA GH200 480GB", 4.0e12),
-                                             ("NVIDIA L40S", 0.864e12), ("Some Future GPU", None)])
+@pytest.mark.parametrize("name, bandwidth", [
+    ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12), ("NVIDIA H100 PCIe", 2.0e12),
+    ("NVIDIA GH200 480GB", 4.0e12), ("NVIDIA L40S", 0.864e12), ("Some Future GPU", None)])
 def test_gpu_bandwidth_by_name(name, bandwidth):
     assert bench.gpu_bandwidth(name) == bandwidth
 
 
 def test_gpu_samples_summarized_over_busy_samples_only():
-    samples = ["1980, 2619, 45, 350.0, 0x0000000000000000", "1755, 2619, 52, 450.0, 0x0000000000000004",
+    samples = ["1980, 2619, 45, 350.0, 0x0000000000000000",
+               "1755, 2619, 52, 450.0, 0x0000000000000004",
                "345, 2619, 40, 70.0, 0x0000000000000001", "garbage line"]
-    summary = bench.summarize_gpu(samples)  # the idle sample (power below the median) is left out
-    assert summary == ("2 busy samples: SM 1755-1980 MHz, memory 2619-2619 MHz, 45-52 C, 400 W mean, "
-                       "event reasons ['0x0000000000000000', '0x0000000000000004']")
-    assert bench.summarize_gpu(["[N/A], 2619, 40, 70.0, 0x0"]) is None and bench.summarize_gpu([]) is None
-    with bench.gpu_monitor("cpu") as cpu_samples:  # no GPU: no nvidia-smi, no samples
+    summary = bench_utils.summarize_gpu(samples)  # the idle sample (power below median) is left out
+    assert summary == ("2 busy samples: SM 1755-1980 MHz, memory 2619-2619 MHz, 45-52 C, "
+                       "400 W mean, event reasons ['0x0000000000000000', '0x0000000000000004']")
+    assert bench_utils.summarize_gpu(["[N/A], 2619, 40, 70.0, 0x0"]) is None
+    assert bench_utils.summarize_gpu([]) is None
+    with bench_utils.gpu_monitor("cpu") as cpu_samples:  # no GPU: no nvidia-smi, no samples
         pass
     assert cpu_samples == []
 
 
-def test_png_without_matplotlib(tmp_path):
-    path = tmp_path / "b.png"
-    bench.plot_without_matplotlib(str(path), {"w1": {"nanoserve": 100.0, "hf": 10.0}, "w2": {"nanoserve": 50.0}})
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    idat_len = struct.unpack(">I", data[33:37])[0]
-    raw = zlib.decompress(data[41:41 + idat_len])
-    assert len(raw) == height * (1 + 3 * width)      # one filter byte + RGB per row
+ROWS = [{"workload": "w1", "engine": "nanoserve", "tokens_per_s": 20_590.0},
+        {"workload": "w1", "engine": "hf-cb", "tokens_per_s": 595.0},
+        {"workload": "w1", "engine": "hf", "tokens_per_s": 570.0},
+        {"workload": "w2", "engine": "nanoserve", "tokens_per_s": 47_788.0},
+        {"workload": "w2", "engine": "hf", "tokens_per_s": None}]       # a failed engine: no bar
+META = {"hardware": {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234"},
+        "model": {"dir": "/cache/qwen3-0.6b-random", "dtype": "bfloat16"},
+        "tensor_parallel_size": 1, "workloads": {"w1": {"description": "256 random prompts"}}}
 
 
-def test_plot_from_json(tmp_path):
-    rows = [{"workload": "w1", "engine": "nanoserve", "tokens_per_s": 5.0},
-            {"workload": "w1", "engine": "hf", "tokens_per_s": None}]    # a failed engine has no bar
-    (tmp_path / "b.json").write_text(json.dumps({"rows": rows}))
-    bench.plot(json.loads((tmp_path / "b.json").read_text())["rows"], str(tmp_path / "b.png"))
-    assert (tmp_path / "b.png").stat().st_size > 0
+def test_chart_labels_every_bar_and_names_its_conditions(tmp_path):
+    fig = bench.plot(ROWS, [META], str(tmp_path / "b.png"))
+    data = (tmp_path / "b.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    w1, w2 = fig.axes
+    labels = [t.get_text() for t in w1.texts]
+    assert labels == ["20,590 tok/s · 34.6x HF-CB · 36.1x HF static", "595 tok/s", "570 tok/s"]
+    assert [t.get_text() for t in w2.texts] == ["47,788 tok/s"]   # no peer left to compare with
+    assert bench.bar_label("nanoserve", 100.0, {"hf": 400.0}) == "100 tok/s · 0.25x HF static"
+    assert w1.get_title(loc="left") == "W1: 256 random prompts"
+    title = fig.get_suptitle()
+    assert "NVIDIA H100 80GB HBM3" in title and "qwen3-0.6b-random" in title and "abc1234" in title
+    assert w1.get_xscale() == "log"
+    left, right = w1.get_xlim()
+    assert left < 570 and right > 47_788                          # every bar inside the axis
+
+
+def test_chart_on_cpu_and_from_merged_json_files(tmp_path):
+    cpu_meta = {**META, "hardware": {"cpu": "x86_64", "commit": "def5678"}}
+    for i, (rows, meta) in enumerate([(ROWS[:3], META), (ROWS[3:], cpu_meta)]):
+        (tmp_path / f"{i}.json").write_text(json.dumps({**meta, "rows": rows}))
+    rows, metas = bench.load_results([str(tmp_path / "0.json"), str(tmp_path / "1.json")])
+    assert len(rows) == len(ROWS) and metas[1]["hardware"]["commit"] == "def5678"
+    title = bench.chart(rows, metas).get_suptitle()
+    assert "NVIDIA H100 80GB HBM3, CPU (x86_64)" in title and "abc1234, def5678" in title
+    with pytest.raises(ValueError, match="every engine fail"):
+        bench.chart(ROWS[4:], [META])
+
+
+def test_timing_runs_the_warmup_first_and_a_failure_becomes_a_row():
+    wl = bench.make_w1(4, 10, 20, 2, 5)
+    runs = []
+
+    @contextlib.contextmanager
+    def fake_engine(model_dir, wl, args, device):
+        yield lambda w: runs.append(w.name) or list(w.output_lens)
+
+    row = bench.run_engine("fake", fake_engine, "unused", wl, argparse.Namespace(), "cpu")
+    assert runs == ["w1-warmup", "w1"] and row.note == "" and row.tokens_per_s > 0
+    assert row.output_tokens == wl.output_tokens and row.seconds > 0
+
+    @contextlib.contextmanager
+    def short_engine(model_dir, wl, args, device):
+        yield lambda w: [n - 1 for n in w.output_lens]
+
+    row = bench.run_engine("short", short_engine, "unused", wl, argparse.Namespace(), "cpu")
+    assert row.note == "4 requests returned a different token count than asked"
+
+    def broken_engine(model_dir, wl, args, device):
+        raise RuntimeError("no such model\nsecond line")
+
+    row = bench.run_engine("broken", broken_engine, "unused", wl, argparse.Namespace(), "cpu")
+    assert row.note == "error: RuntimeError: no such model" and row.tokens_per_s is None
+
+
+def test_fill_ratios_against_nanoserve_and_the_roofline():
+    rows = [bench.Row("w1", "nanoserve", 1, 1, tokens_per_s=200.0),
+            bench.Row("w1", "hf", 1, 1, tokens_per_s=50.0), bench.Row("w1", "hf-cb", 1, 1)]
+    bench.fill_ratios(rows, bound=400.0)
+    assert [r.ratio for r in rows] == [1.0, 0.25, None]
+    assert [r.roofline_fraction for r in rows] == [0.5, 0.125, None]
 
 
 def test_build_tiny_random_qwen3(tmp_path):
-    """The w1 model path (random Qwen3 + decode-only tokenizer), shrunk to run in seconds on a CPU."""
+    """The w1 model path (random Qwen3 + decode-only tokenizer), shrunk to a CPU's size."""
     from transformers import AutoConfig, AutoTokenizer
-    model_dir = bench.build_random_qwen3(tmp_path / "qwen3", bench.QWEN3_TINY, "cpu")
+    model_dir = bench_utils.build_random_qwen3(tmp_path / "qwen3", bench.QWEN3_TINY, "cpu")
     cfg = AutoConfig.from_pretrained(model_dir)
-    assert cfg.architectures == ["Qwen3ForCausalLM"] and cfg.tie_word_embeddings and cfg.eos_token_id == bench.EOS_ID
+    assert cfg.architectures == ["Qwen3ForCausalLM"] and cfg.tie_word_embeddings
+    assert cfg.eos_token_id == bench_utils.EOS_ID
     tok = AutoTokenizer.from_pretrained(model_dir)
-    assert tok.eos_token_id == bench.EOS_ID and tok.decode([5, 7]) == "<5> <7>"
+    assert tok.eos_token_id == bench_utils.EOS_ID and tok.decode([5, 7]) == "<5> <7>"
     hidden, vocab = bench.QWEN3_TINY["hidden_size"], bench.QWEN3_TINY["vocab_size"]
-    assert vocab * hidden * 2 < bench.weight_bytes(model_dir) < 2 * vocab * hidden * 2  # embedding stored once
-    assert bench.build_random_qwen3(tmp_path / "qwen3", bench.QWEN3_TINY, "cpu") == model_dir  # reused
+    # the tied embedding is stored once
+    assert vocab * hidden * 2 < bench.weight_bytes(model_dir) < 2 * vocab * hidden * 2
+    assert bench_utils.build_random_qwen3(tmp_path / "qwen3", bench.QWEN3_TINY, "cpu") == model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return bench_utils.build_random_qwen3(tmp_path_factory.mktemp("m") / "qwen3", bench.QWEN3_TINY,
+                                          "cpu")
+
+
+@pytest.mark.parametrize("engine", ["nanoserve", "hf", "hf-cb"])
+def test_engine_smoke_on_tiny_model(tiny_model, engine):
+    """Each engine runs a small w2 end to end on the CPU and returns every requested token."""
+    wl = bench.make_w2(num_seqs=3, prefix_len=16, min_own=4, max_own=8, output_len=4)
+    args = argparse.Namespace(eager=True, tp=1, hf_batch_size=2)
+    row = bench.run_engine(engine, bench.ENGINES[engine], tiny_model, wl, args, "cpu")
+    assert row.note == "" and row.tokens_per_s > 0

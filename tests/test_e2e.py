@@ -1,12 +1,12 @@
-"""End to end on the packaged default model (SmolLM2-135M-Instruct, float32 on the CPU): nanoserve's greedy
-output must be token-identical to Hugging Face transformers', also when sequences are preempted, when
-prompts are chunked, and with prefix caching on or off."""
+"""End to end on the packaged default model (SmolLM2-135M-Instruct, float32 on the CPU):
+nanoserve's greedy output must be token-identical to Hugging Face transformers', also when
+sequences are preempted, when prompts are chunked, and with prefix caching on or off."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.sequence import PENDING
+from nanoserve.overlap import PENDING
 from nanoserve.weights import default_model_dir
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,8 @@ def model_dir() -> str:
 def prompts(model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for q in QUESTIONS]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,13 @@ def hf_outputs(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_greedy_matches_transformers(model_dir, prompts, hf_outputs, overlap):
-    # overlap: decode steps scheduled ahead of the previous step's tokens, so EOS is seen one step late
+    # overlap: a decode is scheduled before the previous step's tokens, so EOS is seen a step late
     with LLM(model_dir, overlap_scheduling=overlap) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == hf_outputs
     for o, ref in zip(outs, hf_outputs):
-        assert o["finish_reason"] == ("length" if len(ref) == MAX_TOKENS and ref[-1] != 2 else "stop")
+        full = len(ref) == MAX_TOKENS and ref[-1] != 2
+        assert o["finish_reason"] == ("length" if full else "stop")
         assert o["text"].strip()
 
 
@@ -85,9 +86,10 @@ def test_prefix_caching_on_and_off_agree(model_dir, prompts):
             first = llm.generate(shared[:1], GREEDY, use_tqdm=False)  # computes the prefix once
             rest = llm.generate(shared, GREEDY, use_tqdm=False)  # every prompt can hit it
             results[caching] = (first, rest, llm.scheduler.block_manager.stats["hit"])
-    assert results[True][2] >= 2 * len(shared)  # each of the 8 prompts hit at least the 2 system blocks
+    assert results[True][2] >= 2 * len(shared)  # each of the 8 prompts hit the 2 system blocks
     assert results[False][2] == 0
-    assert [o["token_ids"] for o in results[True][1]] == [o["token_ids"] for o in results[False][1]]
+    on, off = results[True][1], results[False][1]
+    assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
     assert results[True][0][0]["token_ids"] == results[True][1][0]["token_ids"]
 
 
@@ -95,39 +97,44 @@ def test_sampling_seed_top_k_and_stop(model_dir, prompts):
     with LLM(model_dir) as llm:
         seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)
         alone = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]["token_ids"]
-        mixed = llm.generate(prompts[:3], [seeded, GREEDY, SamplingParams(temperature=0.8)], use_tqdm=False)
+        mixed = llm.generate(prompts[:3], [seeded, GREEDY, SamplingParams(temperature=0.8)],
+                             use_tqdm=False)
         assert mixed[0]["token_ids"] == alone  # a seed fixes the sample whatever the batch
-        top1 = llm.generate(prompts[:2], SamplingParams(temperature=1.5, top_k=1, max_tokens=8), use_tqdm=False)
-        greedy = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        top1 = llm.generate(prompts[:2], SamplingParams(temperature=1.5, top_k=1, max_tokens=8),
+                            use_tqdm=False)
+        greedy = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8),
+                              use_tqdm=False)
         assert [o["token_ids"] for o in top1] == [o["token_ids"] for o in greedy]
         stop_at = greedy[0]["token_ids"][2]
-        stopped = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]),
-                               use_tqdm=False)[0]
+        stop_params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at])
+        stopped = llm.generate(prompts[:1], stop_params, use_tqdm=False)[0]
         assert stopped["finish_reason"] == "stop" and stopped["token_ids"][-1] == stop_at
         assert len(stopped["token_ids"]) <= 3
-        long = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                            use_tqdm=False)[0]
+        long_params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        long = llm.generate(prompts[:1], long_params, use_tqdm=False)[0]
         assert long["finish_reason"] == "length" and len(long["token_ids"]) == 5
 
 
 def test_text_prompts_and_trace(model_dir, caplog):
     with LLM(model_dir, trace=True) as llm:
         with caplog.at_level("INFO", logger="nanoserve"):
-            outs = llm.generate(["Hello, my name is", "The sky is"], SamplingParams(temperature=0, max_tokens=4),
-                                use_tqdm=False)
+            outs = llm.generate(["Hello, my name is", "The sky is"],
+                                SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert all(len(o["token_ids"]) <= 4 for o in outs)
     lines = [r.getMessage() for r in caplog.records]
-    assert any(line.startswith("prefill") for line in lines) and any(line.startswith("decode") for line in lines)
+    assert any(line.startswith("prefill") for line in lines)
+    assert any(line.startswith("decode") for line in lines)
     assert all("free=" in line for line in lines)
 
 
-def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_dir, prompts, hf_outputs):
-    # the two chat prompts share the template's first blocks: the second hits the first's at schedule time
+def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_dir, prompts,
+                                                                        hf_outputs):
+    # the two chat prompts share the template's first blocks: the second hits them when scheduled
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(model_dir) as llm:
         run = llm.model_runner.run
 
-        def failing_run(batch, prev=None):  # the prefill never runs: its registered blocks never get K/V
+        def failing_run(batch, input_ids=None):  # no prefill runs: its registered blocks get no K/V
             raise RuntimeError("simulated failure")
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
@@ -137,13 +144,15 @@ def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_d
     assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
 
 
-def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir, prompts, hf_outputs):
-    # generate()'s prompt A registers its blocks when its prefill is scheduled; a request B added meanwhile
-    # (from outside that call) is scheduled ahead and takes A's first blocks (the chat template) as cache hits.
-    # A's prefill then fails, so those blocks never get K/V, and generate() aborts A: B must compute them.
+def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir, prompts,
+                                                                      hf_outputs):
+    # generate()'s prompt A registers its blocks when its prefill is scheduled; a request B added
+    # meanwhile (outside that call) is scheduled ahead and takes A's first blocks (the chat
+    # template) as cache hits. A's prefill then fails, so those blocks never get K/V, and
+    # generate() aborts A: B must compute them.
     params = SamplingParams(temperature=0, max_tokens=8)
 
-    class FailedOutput:  # a step whose failure surfaces when its tokens are read (as a CUDA error would)
+    class FailedOutput:  # a step that fails when its tokens are read (as a CUDA error would)
         token_ids = None
 
         def tolist(self):
@@ -151,16 +160,17 @@ def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir,
     with LLM(model_dir) as llm:
         run, others = llm.model_runner.run, []
 
-        def failing_run(batch, prev=None):
+        def failing_run(batch, input_ids=None):
             if others:
-                return run(batch, prev)
-            others.append(llm.add_request(prompts[1], params))  # arrives while A's prefill is in flight
+                return run(batch, input_ids)
+            others.append(llm.add_request(prompts[1], params))  # arrives during A's prefill
             return FailedOutput()  # A's prefill never ran
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
             llm.generate(prompts[:1], params, use_tqdm=False)
         other = others[0]
-        assert other.block_table and other.num_cached_tokens == 0  # its hits on A's blocks were taken back
+        # its hits on A's blocks were taken back
+        assert other.block_table and other.num_cached_tokens == 0
         llm.model_runner.run = run
         while not other.is_finished:
             llm.step()
@@ -168,20 +178,21 @@ def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir,
 
 
 def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, hf_outputs):
-    # without generate(): requests added, then steps; the first prefill and a later decode fail once each
+    # no generate(): add requests, then step; the first prefill and a later decode fail once each
     params = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(model_dir, max_num_batched_tokens=64) as llm:  # prompts of ~40 tokens: a chunk is in flight
+    # prompts of ~40 tokens: a chunk is in flight
+    with LLM(model_dir, max_num_batched_tokens=64) as llm:
         seqs = [llm.add_request(p, params) for p in prompts[:3]]
         run, calls = llm.model_runner.run, []
 
-        def flaky_run(batch, prev=None):
+        def flaky_run(batch, input_ids=None):
             calls.append(batch.is_prefill)
             if len(calls) in (1, 7):
                 raise RuntimeError("simulated failure")
-            return run(batch, prev)
+            return run(batch, input_ids)
         llm.model_runner.run = flaky_run
         failures = 0
-        while not llm.scheduler.is_finished() or llm.ahead:
+        while llm.scheduler.has_unfinished() or llm.overlap.ahead:
             try:
                 llm.step()
             except RuntimeError:
@@ -194,24 +205,24 @@ def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, 
 def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_outputs):
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(model_dir) as llm:
-        other = llm.add_request(prompts[2], params)  # a request of nobody's generate() call: it must survive
+        other = llm.add_request(prompts[2], params)  # in no generate() call: it must survive
         run, calls = llm.model_runner.run, []
 
-        def failing_run(batch, prev=None):  # the 4th launch fails: a decode step scheduled ahead
-            calls.append(prev is not None)
+        def failing_run(batch, input_ids=None):  # the 4th launch, a decode scheduled ahead, fails
+            calls.append(input_ids is not None)
             if len(calls) == 4:
                 raise RuntimeError("simulated failure")
-            return run(batch, prev)
+            return run(batch, input_ids)
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
             llm.generate(prompts[:2], params, use_tqdm=False)
-        assert calls[-1] and llm.ahead is None and PENDING not in other.token_ids
+        assert calls[-1] and llm.overlap.ahead is None and PENDING not in other.token_ids
         assert list(llm.scheduler.running) == [other] and not llm.scheduler.waiting
         llm.model_runner.run = run
         outs = llm.generate(prompts[:2], params, use_tqdm=False)
         while not other.is_finished:
             llm.step()
         bm = llm.scheduler.block_manager
-        assert llm.scheduler.is_finished() and bm.num_free_blocks == len(bm.blocks)
+        assert not llm.scheduler.has_unfinished() and bm.num_free_blocks == len(bm.blocks)
     assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
     assert other.output_token_ids == hf_outputs[2][:8]

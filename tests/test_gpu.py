@@ -1,34 +1,38 @@
-"""On an NVIDIA GPU: nanoserve against transformers with the same random weights (Qwen3 and Llama shapes),
-comparing per-step logprobs the way vLLM's check_logprobs_close does (equal tokens until the first near-tie,
-logprobs within a tolerance); CUDA-graph decode against eager decode; prefix-cache hit against no hit.
-Skipped on machines without CUDA."""
+"""On an NVIDIA GPU: nanoserve against transformers with the same random weights (Qwen3 and Llama
+shapes), comparing per-step logprobs the way vLLM's check_logprobs_close does (equal tokens until
+the first near-tie, logprobs within a tolerance); CUDA-graph decode against eager decode;
+prefix-cache hit against no hit. Skipped on machines without CUDA."""
 import gc
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from nanoserve import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 VOCAB = 8192
 MAX_TOKENS = 24
-LOGPROB_TOL = 0.5  # nats: bf16 rounding differs between the engines and grows over steps; a bug costs several
-# nanoserve against itself: split counts, padding, chunking, TP reductions and cascade attention change only
-# the bf16 rounding; measured up to 0.151 (cascade vs plain decode, 40 sequences, the qwen3 shape below)
+# nats: bf16 rounding differs between the engines and grows over steps; a bug costs several
+LOGPROB_TOL = 0.5
+# nanoserve against itself: split counts, padding, chunking, TP reductions and cascade attention
+# change only the bf16 rounding (up to ~0.15: cascade vs plain decode, 40 seqs, qwen3 shape)
 SAME_ENGINE_TOL = 0.25
 SHAPES = {
     "qwen3": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB,
-                                 tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e6,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 vocab_size=VOCAB, tie_word_embeddings=True,
+                                 max_position_embeddings=4096, rope_theta=1e6,
                                  initializer_range=0.1, architectures=["Qwen3ForCausalLM"]),
     # SmolLM2's head layout: 3 KV heads x 64 = 192 values a token, not a power of two
     "llama": lambda: LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=VOCAB,
-                                 tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e5,
-                                 initializer_range=0.1, architectures=["LlamaForCausalLM"]),
+                                 tie_word_embeddings=True, max_position_embeddings=4096,
+                                 rope_theta=1e5, initializer_range=0.1,
+                                 architectures=["LlamaForCausalLM"]),
 }
 
 
@@ -37,8 +41,8 @@ def save_random_model(cfg, path: str) -> None:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                                  eos_token="t1")
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1")
     tok.save_pretrained(path)
 
 
@@ -51,8 +55,11 @@ def model_dir(request, tmp_path_factory) -> str:
 
 def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (int(torch.randint(5, 300, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    out = []
+    for _ in range(n):  # a length, then its tokens, from the one generator
+        length = int(torch.randint(5, 300, (1,), generator=g))
+        out.append(torch.randint(2, VOCAB, (length,), generator=g).tolist())
+    return out
 
 
 def record_logprobs(llm: LLM, prompt_list: list[list[int]], **engine_params) -> tuple[list, list]:
@@ -62,7 +69,7 @@ def record_logprobs(llm: LLM, prompt_list: list[list[int]], **engine_params) -> 
     sample = runner.sample
 
     def spy(logits, seqs):
-        assert logits.shape[0] == len(seqs)  # the LM head's padding rows (_last_token_rows) are cut off
+        assert logits.shape[0] == len(seqs)  # the LM head's padding rows (_logits_rows) are cut off
         lp = logits.float().log_softmax(-1).cpu()
         for row, seq in zip(lp, seqs):
             steps.setdefault(seq.seq_id, []).append(row)
@@ -70,13 +77,13 @@ def record_logprobs(llm: LLM, prompt_list: list[list[int]], **engine_params) -> 
 
     runner.sample = spy
     try:
-        seqs = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-                for p in prompt_list]
-        while not llm.scheduler.is_finished():
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        seqs = [llm.add_request(p, params) for p in prompt_list]
+        while llm.scheduler.has_unfinished():
             llm.step()
     finally:
         runner.sample = sample
-    # a chunked prefill records logits for unfinished chunks too; only the last MAX_TOKENS rows are samples
+    # a chunked prefill also records logits of unfinished chunks: only the last MAX_TOKENS sample
     return [s.output_token_ids for s in seqs], [steps[s.seq_id][-MAX_TOKENS:] for s in seqs]
 
 
@@ -85,8 +92,9 @@ def hf_logprobs(model_dir: str, prompt_list: list[list[int]]) -> tuple[list, lis
     ids, lps = [], []
     with torch.no_grad():
         for p in prompt_list:
-            out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+            out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
             ids.append(out.sequences[0, len(p):].tolist())
             lps.append([step[0].float().log_softmax(-1).cpu() for step in out.logits])
     del model
@@ -120,7 +128,8 @@ def test_cudagraph_decode_matches_eager(model_dir):
     results = {}
     for eager in (True, False):
         # max_num_seqs=40 is no captured size: the graphs go up to 48, the one that holds 40
-        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, enforce_eager=eager, max_num_seqs=40) as llm:
+        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, enforce_eager=eager,
+                 max_num_seqs=40) as llm:
             assert bool(getattr(llm.model_runner, "graphs", None)) == (not eager)
             results[eager] = record_logprobs(llm, prompt_list)
     assert_logprobs_close(*results[False], *results[True], tol=SAME_ENGINE_TOL)
@@ -128,11 +137,12 @@ def test_cudagraph_decode_matches_eager(model_dir):
 
 def test_prefix_hit_matches_no_hit(model_dir):
     system = prompts(n=1, seed=2)[0][:5] * 20  # 100 shared tokens: 6 full blocks of 16
-    tails = prompts(n=41, seed=3)  # 40 sequences decode together after the first: cascade attention (>= 32)
+    tails = prompts(n=41, seed=3)  # 40 decode together after the first: cascade attention (>= 32)
     shared = [system + t[:40] for t in tails]
     results = {}
     for caching in (True, False):
-        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, enable_prefix_caching=caching) as llm:
+        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024,
+                 enable_prefix_caching=caching) as llm:
             record_logprobs(llm, shared[:1])  # computes and caches the shared prefix
             results[caching] = record_logprobs(llm, shared[1:])
             hits = llm.scheduler.block_manager.stats["hit"]
@@ -144,35 +154,40 @@ def test_chunked_prefill_matches_whole(model_dir):
     prompt_list = prompts(n=3, seed=4)
     results = {}
     for budget in (16384, 64):
-        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, max_num_batched_tokens=budget) as llm:
+        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024,
+                 max_num_batched_tokens=budget) as llm:
             results[budget] = record_logprobs(llm, prompt_list)
     assert_logprobs_close(*results[64], *results[16384], tol=SAME_ENGINE_TOL)
 
 
 def test_kv_cache_too_small_names_missing_memory(model_dir):
-    with pytest.raises(ValueError, match="GiB missing"):  # 0.1% of an H100 is 80 MB: less than is already in use
-        LLM(model_dir, gpu_memory_utilization=0.001, max_model_len=4096, max_num_batched_tokens=4096)
+    # 0.1% of an H100 is 80 MB: less than is already in use
+    with pytest.raises(ValueError, match="GiB missing"):
+        LLM(model_dir, gpu_memory_utilization=0.001, max_model_len=4096,
+            max_num_batched_tokens=4096)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tp2_matches_tp1_on_qwen3_0_6b_shapes(tmp_path, dtype):
-    """Qwen3-0.6B's full shapes (28 layers, 16 q / 8 KV heads, vocab 151936) with random weights, on two GPUs.
-    bf16: TP=2 sums the row-parallel products in another order, so greedy tokens may part at near-ties
-    (measured: 4 of 8 identical over 24 tokens); float32 rounds ~65,000x finer: the tokens must be identical."""
-    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                      max_position_embeddings=4096, rope_theta=1e6, initializer_range=0.02,
-                      architectures=["Qwen3ForCausalLM"])
+    """Qwen3-0.6B's full shapes (28 layers, 16 q / 8 KV heads, vocab 151936) with random weights,
+    on two GPUs. bf16: TP=2 sums the row-parallel products in another order, so greedy tokens may
+    part at near-ties (often half the sequences); float32 rounds ~65,000x finer: the tokens must be
+    identical."""
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+                      rope_theta=1e6, initializer_range=0.02, architectures=["Qwen3ForCausalLM"])
     save_random_model(cfg, str(tmp_path))
     prompt_list = prompts(n=8, seed=5)
     results = {}
     for tp in (1, 2):
-        with LLM(str(tmp_path), tensor_parallel_size=tp, num_kvcache_blocks=4096, max_model_len=1024,
-                 dtype=dtype) as llm:
+        with LLM(str(tmp_path), tensor_parallel_size=tp, num_kvcache_blocks=4096,
+                 max_model_len=1024, dtype=dtype) as llm:
             results[tp] = record_logprobs(llm, prompt_list)
     assert_logprobs_close(*results[2], *results[1], tol=SAME_ENGINE_TOL)
     identical = sum(a == b for a, b in zip(results[2][0], results[1][0]))
-    print(f"{dtype}: TP=2 vs TP=1: {identical}/{len(prompt_list)} sequences token-identical over {MAX_TOKENS} tokens")
+    print(f"{dtype}: TP=2 vs TP=1: {identical}/{len(prompt_list)} sequences token-identical "
+          f"over {MAX_TOKENS} tokens")
     if dtype == "float32":
         assert results[2][0] == results[1][0]

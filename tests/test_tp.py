@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU (gloo): same greedy output as one rank, clean failure, engines side by side."""
+"""Tensor parallelism on the CPU (gloo): same greedy output as one rank, clean failure, engines side
+by side, nothing left in /dev/shm after shutdown."""
 import glob
 import os
 import shutil
@@ -22,13 +23,14 @@ PROMPTS = [[1, 5, 9, 200, 31], [7] * 20, list(range(40, 77))]
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory) -> str:
-    """A random Qwen3-shaped model small enough to start in a second: 4 q / 2 KV heads, vocab 1001 (not a
-    multiple of the rank count, so the vocab-parallel padding is exercised), untied LM head."""
+    """A random Qwen3-shaped model that starts in a second: 4 q / 2 KV heads, vocab 1001 (not a
+    multiple of the rank count: the vocab-parallel padding is exercised), untied LM head."""
     path = str(tmp_path_factory.mktemp("tiny_qwen3"))
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=1001, max_position_embeddings=4096,
-                      tie_word_embeddings=False, initializer_range=0.2)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1001,
+                      max_position_embeddings=4096, tie_word_embeddings=False,
+                      initializer_range=0.2)
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(default_model_dir(), name), path)
@@ -39,6 +41,10 @@ def greedy_ids(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
 def test_tp2_matches_tp1_on_tiny_qwen3(tiny_qwen3):
     with LLM(tiny_qwen3, max_model_len=256) as llm:
         expected = greedy_ids(llm)
@@ -46,30 +52,43 @@ def test_tp2_matches_tp1_on_tiny_qwen3(tiny_qwen3):
         assert greedy_ids(llm) == expected
 
 
-def test_tp3_matches_tp1_on_default_model():
+def test_tp3_matches_tp1_on_default_model_and_leaves_no_shm():
     # SmolLM2: 9 query / 3 KV heads, so each of 3 ranks holds 3 query heads and 1 KV head
     prompts = [[1, 9519, 28, 957, 1462, 314], [504, 3575, 282, 4649, 314]]
     with LLM(max_model_len=256) as llm:
         expected = greedy_ids(llm, prompts)
+    before = shm_entries()
     with LLM(max_model_len=256, tensor_parallel_size=3) as llm:
+        created = shm_entries() - before
         assert greedy_ids(llm, prompts) == expected
+    assert any(n.startswith("sem.") for n in created) and any("nanoserve" in n for n in created)
+    assert shm_entries() - before == set()  # semaphores and the segment are gone
+
+
+def test_tp2_shutdown_leaves_no_shm(tiny_qwen3):
+    before = shm_entries()
+    llm = LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2)
+    created = shm_entries() - before
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert len([n for n in created if n.startswith("sem.")]) >= 4  # wake-up + the error queue's
+    assert shm_entries() - before == set()
 
 
 def test_killed_worker_raises_and_cleans_up(tiny_qwen3):
+    before = shm_entries()
     llm = LLM(tiny_qwen3, max_model_len=4096, tensor_parallel_size=2)
-    shm_path = f"/dev/shm/{llm.shm.name}"
-    assert os.path.exists(shm_path)
-    worker = llm.workers[0]
+    worker = llm.workers.procs[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match="rank 1 .* exited with code -9"):
-            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True),
+                         use_tqdm=False)
         assert time.monotonic() - start < 30  # seconds, not a collective's timeout
     finally:
-        llm.shutdown()  # also when the assertion fails: the next tests need this process's group gone
-    assert not os.path.exists(shm_path)
-    assert not worker.is_alive() and not llm.workers
+        llm.shutdown()  # also when the assertion fails: the next tests need the group gone
+    assert shm_entries() - before == set() and llm.workers is None
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2]], GREEDY)
 
@@ -79,22 +98,24 @@ import os, sys, time
 from nanoserve import LLM, SamplingParams
 model, me, other = sys.argv[1:]
 with LLM(model, max_model_len=256, tensor_parallel_size=2) as llm:
-    open(me, "w").write(llm.shm.name)
+    open(me, "w").write(llm.workers.shm.name)
     deadline = time.time() + 120
     while not os.path.exists(other) and time.time() < deadline:  # both engines are up at once
         time.sleep(0.1)
     assert os.path.exists(other), "the other engine never came up"
-    out = llm.generate([[1, 5, 9, 200, 31]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    out = llm.generate([[1, 5, 9, 200, 31]], params, use_tqdm=False)
     print(out[0]["token_ids"])
 """
 
 
 def test_two_tp_engines_side_by_side(tiny_qwen3, tmp_path):
-    """Two engines in two processes, alive at the same time: each has its own shared memory and port."""
+    """Two engines in two processes, alive at once: each has its own shared memory and port."""
     before = set(glob.glob("/dev/shm/nanoserve-*"))
     ready = [str(tmp_path / "a"), str(tmp_path / "b")]
     procs = [subprocess.Popen([sys.executable, "-c", TWO_ENGINES_SCRIPT, tiny_qwen3, me, other],
-                              stdout=subprocess.PIPE, text=True) for me, other in (ready, ready[::-1])]
+                              stdout=subprocess.PIPE, text=True)
+             for me, other in (ready, ready[::-1])]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert open(ready[0]).read() != open(ready[1]).read()  # distinct shared-memory segments
@@ -109,13 +130,13 @@ def test_second_engine_in_one_process_is_refused(tiny_qwen3):
 
 
 def test_worker_error_reaches_rank0(tiny_qwen3):
-    """A worker that raises (here: asked for a method it lacks) exits, and rank 0 raises its traceback."""
+    """A worker that raises (asked for a method it lacks) exits; rank 0 raises its traceback."""
     llm = LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2)
     try:
-        llm.model_runner.call("no_such_method")
-        llm.workers[0].join(timeout=30)  # the worker reports and exits at once
+        llm.workers.call("no_such_method")
+        llm.workers.procs[0].join(timeout=30)  # the worker reports and exits at once
         with pytest.raises(RuntimeError, match="(?s)rank 1.*no_such_method"):
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert not llm.workers
+    assert llm.workers is None
