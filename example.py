@@ -1,6 +1,7 @@
-"""Chat with a model through nanoserve: a few prompts, the model's chat template, one batched generate.
+"""Chat with a model through nanoserve: a few prompts, the model's chat template, one batched
+generate.
 
-    python example.py                      # the packaged default model, SmolLM2-135M-Instruct, on CPU or GPU
+    python example.py                      # packaged default SmolLM2-135M-Instruct, CPU or GPU
     python example.py --model DIR --temperature 0.7 --max-tokens 256 --trace
 """
 import argparse
@@ -17,8 +18,10 @@ PROMPTS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="Hugging Face layout directory (default: packaged SmolLM2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face layout directory (default: packaged SmolLM2)")
     parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--trace", action="store_true", help="log one line per engine step")
@@ -27,12 +30,15 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     with LLM(args.model, trace=args.trace) as llm:
-        chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                   add_generation_prompt=True) for p in PROMPTS]
-        params = SamplingParams(temperature=args.temperature, top_p=0.95, max_tokens=args.max_tokens)
+        chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                   tokenize=False, add_generation_prompt=True)
+                 for p in PROMPTS]
+        params = SamplingParams(temperature=args.temperature, top_p=0.95,
+                                max_tokens=args.max_tokens)
         outputs = llm.generate(chats, params)
     for prompt, out in zip(PROMPTS, outputs):
-        print(f"\n>>> {prompt}\n{out['text'].strip()}\n[{len(out['token_ids'])} tokens, {out['finish_reason']}]")
+        n = len(out["token_ids"])
+        print(f"\n>>> {prompt}\n{out['text'].strip()}\n[{n} tokens, {out['finish_reason']}]")
 
 
 if __name__ == "__main__":

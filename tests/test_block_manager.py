@@ -1,8 +1,8 @@
 """CPU unit tests of the BlockManager with plain Sequence objects (no model, no Config).
 
 What they pin down: allocation and freeing, reference counts of shared prefix blocks, the chained
-prefix-cache hash, what counts as a hit (full computed blocks only), eviction of freed blocks, that a
-failed allocation changes nothing, and slot appends at block boundaries.
+prefix-cache hash, what counts as a hit (full computed blocks only), eviction of freed blocks, that
+a failed allocation changes nothing, and slot appends at block boundaries.
 """
 import random
 
@@ -20,7 +20,7 @@ def make_seq(token_ids: list[int], **params) -> Sequence:
 
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
-    """Pretend the model wrote K/V for the first num_tokens tokens (default: all), as postprocess does."""
+    """Pretend the model wrote K/V for the first num_tokens (default: all), as postprocess does."""
     num_new = (seq.num_tokens if num_tokens is None else num_tokens) - seq.num_computed_tokens
     seq.num_computed_tokens += num_new
     bm.register_blocks(seq, seq.num_computed_tokens)
@@ -28,16 +28,16 @@ def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> N
 
 
 def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
-    """Every piece of state an allocation could touch, in a comparable form (free-list order included)."""
+    """Every piece of state an allocation could touch, comparable (free-list order included)."""
     blocks = [(b.block_id, b.ref_count, b.hash, list(b.token_ids), b.computed) for b in bm.blocks]
-    seq_state = [(list(s.block_table), s.num_computed_tokens, s.num_cached_tokens, s.num_hashed_blocks,
-                  list(s.token_ids), s.status) for s in seqs]
+    seq_state = [(list(s.block_table), s.num_computed_tokens, s.num_cached_tokens,
+                  s.num_hashed_blocks, list(s.token_ids), s.status) for s in seqs]
     return (list(bm.free_block_ids), blocks, dict(bm.hash_to_block_id), dict(bm.stats), seq_state)
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     """ref_count == number of live block tables naming the block; free exactly when ref_count is 0;
-    every index entry points at a block holding that hash; hashed blocks hold the tokens they claim."""
+    every index entry points at a block holding that hash; hashed blocks hold their tokens."""
     refs = [0] * len(bm.blocks)
     for seq in live:
         assert len(set(seq.block_table)) == len(seq.block_table), "a block twice in one block table"
@@ -272,7 +272,7 @@ def test_hits_on_blocks_in_use_need_no_free_block():
     a = make_seq(prompt)
     assert bm.allocate(a)
     compute(bm, a)
-    # 2 free blocks left: b's 2 prefix blocks are shared with a (already in use), its 2 others are fresh
+    # 2 free blocks left: b's 2 prefix blocks are a's (already in use), its 2 others are fresh
     b = make_seq(prompt + list(range(300, 308)))
     assert bm.allocate(b)
     assert bm.num_free_blocks == 0 and b.block_table[:2] == a.block_table
@@ -327,7 +327,8 @@ def test_random_workload_frees_every_block(enable_prefix_caching):
     for _ in range(400):
         op = rng.random()
         if op < 0.4:
-            seq = make_seq(rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 6))])
+            suffix = [rng.randrange(50) for _ in range(rng.randrange(0, 6))]
+            seq = make_seq(rng.choice(prefixes) + suffix)
             if bm.allocate(seq):
                 num_hits += seq.num_cached_tokens > 0
                 assert len(seq.block_table) == seq.num_blocks
@@ -361,7 +362,7 @@ def test_block_registered_for_a_step_that_never_ran_is_dropped_on_free():
     assert bm.allocate(a)
     bm.register_blocks(a, 9)  # as the scheduler does when it schedules a's prefill
     assert len(bm.hash_to_block_id) == 2
-    compute(bm, a, num_tokens=4)  # the step failed after the first block's K/V were known to be in place
+    compute(bm, a, num_tokens=4)  # the step failed once the first block's K/V were in place
     bm.free(a)  # (a is aborted)
     assert len(bm.hash_to_block_id) == 1  # the never-computed second block is no longer hittable
     b = make_seq(list(range(9)))
@@ -375,13 +376,13 @@ def test_free_keeps_the_hashes_of_computed_blocks_only():
     assert bm.allocate(a)
     compute(bm, a)  # a's prefill finished: its 2 full blocks hold K/V
     assert bm.allocate(b) and b.num_cached_tokens == 8
-    bm.register_blocks(b, b.num_tokens)  # b's prefill is scheduled (its 3rd block registered), then fails
+    bm.register_blocks(b, b.num_tokens)  # b's prefill scheduled (3rd block registered), then fails
     assert len(bm.hash_to_block_id) == 3
     bm.free(b)  # b is aborted: its own block never got K/V
     bm.free(a)
     assert len(bm.hash_to_block_id) == 2 and bm.num_free_blocks == 8
     c = make_seq(shared + [60, 61, 62, 63, 64])
-    assert bm.allocate(c) and c.num_cached_tokens == 8  # a's computed blocks are still served, b's is not
+    assert bm.allocate(c) and c.num_cached_tokens == 8  # a's computed blocks served, b's not
 
 
 def test_a_cancelled_prompt_computes_again_the_hits_that_never_got_kv():
@@ -390,7 +391,7 @@ def test_a_cancelled_prompt_computes_again_the_hits_that_never_got_kv():
     a, b = make_seq(shared + [50]), make_seq(shared + [60])
     assert bm.allocate(a)
     bm.register_blocks(a, a.num_tokens)  # registered at scheduling time, for a step that then fails
-    assert bm.allocate(b) and b.num_computed_tokens == 8  # b hits a's blocks at once (same or next prefill)
+    assert bm.allocate(b) and b.num_computed_tokens == 8  # b hits a's blocks (same or next prefill)
     bm.register_blocks(b, b.num_tokens)
     shared_ids = b.block_table[:2]
     for seq in (b, a):  # both steps are cancelled, as Scheduler.cancel does
@@ -411,7 +412,7 @@ def test_forget_uncomputed_keeps_what_finished_steps_computed():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = make_seq(list(range(14)))
     assert bm.allocate(a)
-    compute(bm, a, num_tokens=6)  # a first chunk of 6 tokens finished: 1 full block, 2 tokens of the next
+    compute(bm, a, num_tokens=6)  # a first chunk of 6 finished: 1 full block, 2 tokens of the next
     bm.register_blocks(a, 14)  # the next chunk is scheduled (block 2 registered), then cancelled
     bm.forget_uncomputed(a)
     assert a.num_computed_tokens == 6 and a.num_hashed_blocks == 1 and len(bm.hash_to_block_id) == 1

@@ -1,12 +1,14 @@
-"""Each kernel of nanoserve/kernels.py against its plain-torch reference; the references against naive loops.
+"""Each kernel of nanoserve/kernels/ against its plain-torch reference; the references against naive
+loops.
 
-CPU (CI): the Triton kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET once, when it is
-imported (its own tl.sum / tl.max are @triton.jit functions built then), so one process cannot hold both
-compiled and interpreted kernels. The *_interpreted tests therefore run only in a process started with
-TRITON_INTERPRET=1; in any other run, test_kernels_under_triton_interpreter starts such a child process
-for them. The kernels are also compiled for a Hopper GPU (sm_90) on the CPU, which catches what only the GPU
-compiler rejects. GPU tests carry the `gpu` marker and skip without CUDA.
-Run: `python -m pytest -q tests/test_kernels.py` (CPU, GPU tests skip), `... -m gpu` on a GPU machine.
+CPU (CI): the Triton kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET once,
+when it is imported (its own tl.sum / tl.max are @triton.jit functions built then), so one process
+cannot hold both compiled and interpreted kernels. The *_interpreted tests therefore run only in a
+process started with TRITON_INTERPRET=1; in any other run, test_kernels_under_triton_interpreter
+starts such a child process for them. The kernels are also compiled for a Hopper GPU (sm_90) on the
+CPU, which catches what only the GPU compiler rejects. GPU tests carry the `gpu` marker and skip
+without CUDA.
+Run: `python -m pytest -q tests/test_kernels.py` (CPU; GPU tests skip), `... -m gpu` on a GPU.
 """
 
 import math
@@ -18,32 +20,39 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from nanoserve import kernels
+from nanoserve.kernels import decode, sampling
 from nanoserve.layers import RotaryEmbedding
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-interpreted = pytest.mark.skipif(not kernels._INTERPRETED, reason="needs TRITON_INTERPRET=1 from start-up: "
-                                 "test_kernels_under_triton_interpreter runs it in a child process")
+interpreted = pytest.mark.skipif(
+    not kernels.INTERPRETED, reason="needs TRITON_INTERPRET=1 from start-up: "
+    "test_kernels_under_triton_interpreter runs it in a child process")
 
 
-@pytest.mark.skipif(kernels._INTERPRETED, reason="this process is interpreted: the tests run here directly")
+@pytest.mark.skipif(kernels.INTERPRETED, reason="this process is interpreted: the tests run here")
 def test_kernels_under_triton_interpreter() -> None:
-    """Run this file's *_interpreted tests in a child process with TRITON_INTERPRET=1 set before any import."""
+    """Run this file's *_interpreted tests in a child process with TRITON_INTERPRET=1 set before
+    any import."""
     python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path)
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-                            __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+               __file__]
+    child = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     report = child.stdout[-6000:] + child.stderr[-2000:]
-    assert child.returncode == 0 and " passed" in child.stdout and "skipped" not in child.stdout, report
+    passed = " passed" in child.stdout and "skipped" not in child.stdout
+    assert child.returncode == 0 and passed, report
 
 
-def make_paged_kv(context_lens: list[int], B: int, Hkv: int, D: int, dtype: torch.dtype, device: str = "cpu",
-                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Caches whose unused slots hold NaN, scattered blocks, and block-table columns past each sequence
-    filled with -1 or a huge id: a kernel that reads anything it should not either fails or returns NaN."""
+def make_paged_kv(context_lens: list[int], B: int, Hkv: int, D: int, dtype: torch.dtype,
+                  device: str = "cpu", seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Caches whose unused slots hold NaN, scattered blocks, and block-table columns past each
+    sequence filled with -1 or a huge id: a kernel that reads anything it should not either fails or
+    returns NaN."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [math.ceil(n / B) for n in context_lens]
     num_blocks, max_blocks = sum(blocks) + 2, max(blocks) + 2
@@ -59,42 +68,48 @@ def make_paged_kv(context_lens: list[int], B: int, Hkv: int, D: int, dtype: torc
             k_cache[ids[t // B], t % B] = torch.randn(Hkv, D, generator=gen)
             v_cache[ids[t // B], t % B] = torch.randn(Hkv, D, generator=gen)
     context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)  # (S,)
-    return k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device), context_lens_t
+    caches = k_cache.to(device, dtype), v_cache.to(device, dtype)
+    return *caches, block_tables.to(device), context_lens_t
 
 
-def make_cascade_kv(num_common: int, own_lens: list[int], B: int, Hkv: int, D: int, dtype: torch.dtype,
-                    device: str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequences that share their first num_common blocks (the same physical ids, as prefix caching makes
-    them), then own_lens[s] tokens each in their own shuffled blocks. Slots past a sequence's end, unused
-    blocks and block-table columns past the end are garbage (NaN, -1, a huge id), as in make_paged_kv."""
+def make_cascade_kv(num_common: int, own_lens: list[int], B: int, Hkv: int, D: int,
+                    dtype: torch.dtype, device: str = "cpu",
+                    seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sequences that share their first num_common blocks (the same physical ids, as prefix caching
+    makes them), then own_lens[s] tokens each in their own shuffled blocks. Slots past a sequence's
+    end, unused blocks and block-table columns past the end are garbage (NaN, -1, a huge id), as in
+    make_paged_kv."""
     gen = torch.Generator().manual_seed(seed)
     own_blocks = [math.ceil(n / B) for n in own_lens]
     num_blocks, max_blocks = num_common + sum(own_blocks) + 2, num_common + max(own_blocks) + 2
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)  # shared blocks first, then own ones
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)  # shared blocks first, then own
     k_cache = torch.randn(num_blocks, B, Hkv, D, generator=gen)  # (num_blocks, B, Hkv, D)
     v_cache = torch.randn(num_blocks, B, Hkv, D, generator=gen)
     block_tables = torch.full((len(own_lens), max_blocks), -1, dtype=torch.int32)  # (S, max_blocks)
     block_tables[:, max_blocks - 1] = 10**7
-    block_tables[:, :num_common] = ids[:num_common]  # every sequence points at the same prefix blocks
+    block_tables[:, :num_common] = ids[:num_common]  # every sequence points at the same prefix
     first = num_common
     for s, (n, nb) in enumerate(zip(own_lens, own_blocks)):
         block_tables[s, num_common:num_common + nb] = ids[first:first + nb]
         if n % B:  # the ragged tail of the last block is garbage
-            k_cache[ids[first + nb - 1], n % B:] = v_cache[ids[first + nb - 1], n % B:] = float("nan")
+            last = ids[first + nb - 1]
+            k_cache[last, n % B:] = v_cache[last, n % B:] = float("nan")
         first += nb
     k_cache[ids[first:].long()] = v_cache[ids[first:].long()] = float("nan")  # blocks nobody owns
-    context_lens = torch.tensor([num_common * B + n for n in own_lens], dtype=torch.int32, device=device)
-    return k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device), context_lens
+    context_lens = torch.tensor([num_common * B + n for n in own_lens], dtype=torch.int32,
+                                device=device)
+    caches = k_cache.to(device, dtype), v_cache.to(device, dtype)
+    return *caches, block_tables.to(device), context_lens
 
 
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # CPU: Triton kernels under the interpreter vs references
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def make_rotary_inputs(N: int, H: int, Hkv: int, D: int, dtype: torch.dtype, device: str = "cpu",
                        num_blocks: int = 8, B: int = 16) -> dict:
-    """A fused qkv projection's views, positions, a rotary table, q/k norm weights, and caches with slots
-    scattered over them (every 4th token padded: slot -1)."""
+    """A fused qkv projection's views, positions, a rotary table, q/k norm weights, and caches with
+    slots scattered over them (every 4th token padded: slot -1)."""
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=gen).to(device, dtype)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
@@ -111,12 +126,13 @@ def make_rotary_inputs(N: int, H: int, Hkv: int, D: int, dtype: torch.dtype, dev
 
 
 def check_rotary_and_store(args: dict, qk_norm: bool, store: bool, tol: dict) -> None:
-    """The kernel rotates q and k in place and stores like the reference; untouched slots stay untouched."""
+    """The kernel rotates q and k in place and stores like the reference; untouched slots stay
+    untouched."""
     if not qk_norm:
         args["qk_norm"] = None
     if not store:
         args["k_cache"] = args["v_cache"] = torch.tensor([], device=args["q"].device)
-    ref_args = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in args.items()}
+    ref_args = {name: t.clone() if isinstance(t, Tensor) else t for name, t in args.items()}
     q_ref, k_ref = kernels.rotary_and_store_ref(**ref_args)
     q, k = kernels.rotary_and_store(**args)
     assert q.data_ptr() == args["q"].data_ptr() and k.data_ptr() == args["k"].data_ptr()  # in place
@@ -128,7 +144,8 @@ def check_rotary_and_store(args: dict, qk_norm: bool, store: bool, tol: dict) ->
 
 
 @interpreted
-@pytest.mark.parametrize("H, Hkv, D", [(16, 8, 128), (9, 3, 64)])  # Qwen3-0.6B; SmolLM2: 9 and 3 pad to 16, 4
+# Qwen3-0.6B; SmolLM2, whose 9 and 3 heads pad to 16 and 4
+@pytest.mark.parametrize("H, Hkv, D", [(16, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("store", [True, False])
 def test_rotary_and_store_interpreted(H: int, Hkv: int, D: int, qk_norm: bool, store: bool) -> None:
@@ -143,31 +160,13 @@ def test_rotary_and_store_rejects_a_head_dim_not_a_power_of_two_interpreted() ->
         kernels.rotary_and_store(**args)
 
 
-def check_gate_up_silu(M: int, K: int, I: int, dtype: torch.dtype, tol: dict, device: str = "cpu") -> None:
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(M, K, generator=gen).to(device, dtype)
-    weight = (torch.randn(2 * I, K, generator=gen) * K ** -0.5).to(device, dtype)
-    torch.testing.assert_close(kernels.gate_up_silu(x, weight), kernels.gate_up_silu_ref(x, weight), **tol)
-
-
-@interpreted
-@pytest.mark.parametrize("M, K, I", [(5, 96, 80), (40, 160, 64), (130, 64, 96)])  # K and I not tile multiples
-def test_gate_up_silu_interpreted(M: int, K: int, I: int) -> None:
-    check_gate_up_silu(M, K, I, torch.float32, dict(atol=1e-5, rtol=1e-5))
-
-
-def test_gate_up_silu_ref_is_silu_and_mul() -> None:
-    x, weight = torch.randn(3, 8), torch.randn(10, 8)
-    gate, up = x @ weight[:5].T, x @ weight[5:].T
-    torch.testing.assert_close(kernels.gate_up_silu_ref(x, weight), gate * torch.sigmoid(gate) * up)
-
-
-def sample_case(S: int, V: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[torch.Tensor]:
+def sample_case(S: int, V: int, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> list[Tensor]:
     """logits (S, V), temperatures, uniforms with the sampler's corner cases in the first rows."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(S, V, generator=gen) * 3
-    logits[1, :V // 2] = float("-inf")  # a masked row (top-k / top-p): the first chunks hold no probability
-    logits[3, [3, V - 1]] = 50.0  # a tie for the max, in the first and the last chunk: the first wins
+    logits[1, :V // 2] = float("-inf")  # a masked row (top-k / top-p): first chunks hold nothing
+    logits[3, [3, V - 1]] = 50.0  # a tie for the max, in the first and the last chunk: first wins
     temperatures = torch.rand(S, generator=gen) + 0.3
     temperatures[::3] = 0  # every third row greedy
     uniforms = torch.rand(S, generator=gen)
@@ -175,10 +174,11 @@ def sample_case(S: int, V: int, dtype: torch.dtype = torch.float32, device: str 
     return [logits.to(device, dtype), temperatures.to(device), uniforms.to(device)]
 
 
-def check_inverts_the_cdf(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
-                          tokens: torch.Tensor) -> None:
-    """Greedy rows took the (first) argmax; every other row a token of probability > 0 whose CDF interval,
-    computed in float64, holds u up to float32 rounding. Two correct samplers may differ at such edges."""
+def check_inverts_the_cdf(logits: Tensor, temperatures: Tensor, uniforms: Tensor,
+                          tokens: Tensor) -> None:
+    """Greedy rows took the (first) argmax; every other row a token of probability > 0 whose CDF
+    interval, computed in float64, holds u up to float32 rounding. Two correct samplers may differ
+    at such edges."""
     greedy = temperatures == 0
     assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
     t = temperatures[~greedy].double().unsqueeze(1)
@@ -193,7 +193,7 @@ def check_inverts_the_cdf(logits: torch.Tensor, temperatures: torch.Tensor, unif
 @interpreted
 @pytest.mark.parametrize("V", [64, 100])  # whole chunks, and a last chunk cut short
 def test_sample_interpreted(monkeypatch: pytest.MonkeyPatch, V: int) -> None:
-    monkeypatch.setattr(kernels, "SAMPLE_CHUNK", 16)
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK", 16)
     args = sample_case(12, V)
     tokens = kernels.sample(*args)
     check_inverts_the_cdf(*args, tokens)
@@ -201,7 +201,8 @@ def test_sample_interpreted(monkeypatch: pytest.MonkeyPatch, V: int) -> None:
 
 
 def test_rotary_ref_rotates_pairs_by_position() -> None:
-    """rotary_ref against the definition: pair (x[i], x[i + D/2]) turns by position * theta^(-2i/D)."""
+    """rotary_ref against the definition: pair (x[i], x[i + D/2]) turns by
+    position * theta^(-2i/D)."""
     D, pos = 8, 5
     x = torch.randn(1, 1, D)
     cos_sin = RotaryEmbedding(D, 16, 100.0).cos_sin
@@ -209,8 +210,9 @@ def test_rotary_ref_rotates_pairs_by_position() -> None:
     for i in range(D // 2):
         angle = pos * 100.0 ** (-2 * i / D)
         a, b = x[0, 0, i].item(), x[0, 0, i + D // 2].item()
-        assert out[0, 0, i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-5)
-        assert out[0, 0, i + D // 2].item() == pytest.approx(b * math.cos(angle) + a * math.sin(angle), abs=1e-5)
+        cos, sin = math.cos(angle), math.sin(angle)
+        assert out[0, 0, i].item() == pytest.approx(a * cos - b * sin, abs=1e-5)
+        assert out[0, 0, i + D // 2].item() == pytest.approx(b * cos + a * sin, abs=1e-5)
 
 
 DECODE_SHAPES = [  # (group = H // Hkv, Hkv, D, B)
@@ -224,34 +226,35 @@ DECODE_SHAPES = [  # (group = H // Hkv, Hkv, D, B)
 @interpreted
 @pytest.mark.parametrize("group, Hkv, D, B", DECODE_SHAPES)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_paged_decode_interpreted(group: int, Hkv: int, D: int, B: int, num_splits: int | None) -> None:
+def test_paged_decode_interpreted(group: int, Hkv: int, D: int, B: int,
+                                  num_splits: int | None) -> None:
     # context 1, exactly one block, ragged, exactly two blocks, 0 (a padded CUDA-graph slot)
     context_lens = [1, B, 2 * B + 5, 2 * B, 0]
     k_cache, v_cache, block_tables, ctx = make_paged_kv(context_lens, B, Hkv, D, torch.float32)
     q = torch.randn(len(context_lens), group * Hkv, D)  # (S, H, D)
-    out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits=num_splits)
-    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    args = (q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+    out = kernels.paged_decode(*args, num_splits=num_splits)
+    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
     assert torch.all(out[-1] == 0)  # context_len 0: zeros, not NaN
 
 
 @interpreted
 @pytest.mark.parametrize("blocks_per_iter, group_pad", [(1, 16), (2, 32)])
 def test_paged_decode_tile_variants_interpreted(blocks_per_iter: int, group_pad: int) -> None:
-    """Tiles of one and of several blocks (a tile's last block partly past the split), wider group padding."""
+    """Tiles of one and of several blocks (a tile's last block partly past the split), wider group
+    padding."""
     group, Hkv, D, B = 3, 2, 64, 16
-    k_cache, v_cache, block_tables, ctx = make_paged_kv([1, 3 * B + 7, 2 * B], B, Hkv, D, torch.float32)
-    q = torch.randn(3, group * Hkv, D)
-    out = kernels._paged_decode_launch(q, k_cache, v_cache, block_tables, ctx, 0.125, num_splits=2,
-                                       GROUP_PAD=group_pad, BLOCKS_PER_ITER=blocks_per_iter, NUM_STAGES=1,
-                                       num_warps=4)
-    torch.testing.assert_close(out, kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125),
-                               atol=1e-5, rtol=1e-5)
+    kv = make_paged_kv([1, 3 * B + 7, 2 * B], B, Hkv, D, torch.float32)
+    args = (torch.randn(3, group * Hkv, D), *kv, 0.125)
+    out = decode._paged_decode_launch(*args, num_splits=2, GROUP_PAD=group_pad,
+                                      BLOCKS_PER_ITER=blocks_per_iter, NUM_STAGES=1, num_warps=4)
+    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
 
 
 @interpreted
 def test_paged_decode_fp16_interpreted() -> None:
-    """Half precision in and out. (Not bf16: numpy has none, and the interpreter's tl.dot gets it wrong.)"""
+    """Half precision in and out. (Not bf16: numpy has none, and the interpreter's tl.dot gets
+    it wrong.)"""
     k_cache, v_cache, block_tables, ctx = make_paged_kv([5, 37], 16, 2, 64, torch.float16)
     q = torch.randn(2, 4, 64, dtype=torch.float16)
     out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.125, num_splits=2)
@@ -261,107 +264,115 @@ def test_paged_decode_fp16_interpreted() -> None:
 
 
 # num_common 3: the whole shared prefix = all full blocks of the shortest sequence (0 own tokens).
-# num_splits 1: the own kernel folds the prefix partials in; None (2 splits on the interpreter's 8 "SMs"):
-# the merge kernel combines them all.
+# num_splits 1: the own kernel folds the prefix partials in; None (2 splits on the interpreter's 8
+# "SMs"): the merge kernel combines them all.
 @interpreted
 @pytest.mark.parametrize("group, Hkv, D", [(1, 2, 64), (2, 2, 128), (4, 1, 64)])
 @pytest.mark.parametrize("num_common", [0, 2, 3])
 @pytest.mark.parametrize("num_splits", [1, None])
 def test_paged_decode_cascade_interpreted(group: int, Hkv: int, D: int, num_common: int,
                                           num_splits: int | None) -> None:
-    """A shared prefix passed as num_common_blocks: same result as plain paged decode, for any P that is
-    shared (P = 0 too), with several prefix splits (some idle) and a padded row (context_len 0)."""
-    B, own_lens = 16, [0, 5, 16, 2 * 16 + 3, 37, 1]  # own tokens after 3 shared blocks; last row is padding
+    """A shared prefix passed as num_common_blocks: same result as plain paged decode, for any P
+    that is shared (P = 0 too), with several prefix splits (some idle) and a padded row
+    (context_len 0)."""
+    B, own_lens = 16, [0, 5, 16, 2 * 16 + 3, 37, 1]  # after 3 shared blocks; the last row: padding
     k_cache, v_cache, block_tables, ctx = make_cascade_kv(3, own_lens, B, Hkv, D, torch.float32)
     ctx[-1] = 0  # a padded CUDA-graph row: no prefix, no tokens
     q = torch.randn(len(own_lens), group * Hkv, D)  # (S, H, D)
     P = torch.tensor([num_common], dtype=torch.int32)
-    out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits, num_common_blocks=P)
-    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    plain = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits)
+    args = (q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+    out = kernels.paged_decode(*args, num_splits, num_common_blocks=P)
+    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
+    plain = kernels.paged_decode(*args, num_splits)
     torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
     assert torch.all(out[-1] == 0)  # context_len 0: zeros, not the prefix's attention or NaN
 
 
 @interpreted
-@pytest.mark.parametrize("num_splits", [1, 2])  # the own kernel folds the prefix partials in / the merge does
+@pytest.mark.parametrize("num_splits", [1, 2])  # own kernel folds prefix partials in / merge does
 def test_paged_decode_cascade_row_tiles_interpreted(num_splits: int) -> None:
-    """Small row tiles: several per KV head, rows of one sequence's group split across two tiles, a last
-    tile with padded rows; every prefix split has work (4 blocks, 2 splits); fp16 in and out."""
+    """Small row tiles: several per KV head, rows of one sequence's group split across two tiles, a
+    last tile with padded rows; every prefix split has work (4 blocks, 2 splits); fp16 in and
+    out."""
     B, group, Hkv, D = 16, 3, 2, 64
-    k_cache, v_cache, block_tables, ctx = make_cascade_kv(4, [7, 16, 1, 30, 9, 3, 20], B, Hkv, D, torch.float16)
-    q = torch.randn(7, group * Hkv, D, dtype=torch.float16)  # 7 x 3 = 21 rows per KV head: tiles of 16, 5
+    kv = make_cascade_kv(4, [7, 16, 1, 30, 9, 3, 20], B, Hkv, D, torch.float16)
+    q = torch.randn(7, group * Hkv, D, dtype=torch.float16)  # 7 x 3 = 21 rows per KV head: 16 + 5
     P = torch.tensor([4], dtype=torch.int32)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "CASCADE_ROWS", 16)
-        out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.125, num_splits, num_common_blocks=P)
+        mp.setattr(decode, "CASCADE_ROWS", 16)
+        out = kernels.paged_decode(q, *kv, 0.125, num_splits, num_common_blocks=P)
     assert out.dtype == torch.float16
-    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125)
-    torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(out, kernels.paged_decode_ref(q, *kv, 0.125), atol=5e-3, rtol=5e-3)
 
 
 @interpreted
 def test_engine_greedy_matches_transformers_interpreted(tmp_path: pathlib.Path) -> None:
-    """The whole engine on the Triton kernels (CI's only run of the GPU attention path end to end): the
-    fused projection's q and k rotated in place by rotary_and_store, prefill on the cached K/V of a prefix
-    that the batch shares, paged decode with cascade attention (32 sequences share 2 blocks), the batch
-    ordered longest first. A tiny random Qwen3 (q/k norm) in float32: greedy tokens equal transformers'."""
+    """The whole engine on the Triton kernels (CI's only run of the GPU attention path end to end):
+    the fused projection's q and k rotated in place by rotary_and_store, prefill on the cached K/V
+    of a prefix that the batch shares, paged decode with cascade attention (32 sequences share 2
+    blocks), the batch ordered longest first. A tiny random Qwen3 (q/k norm) in float32: greedy
+    tokens equal transformers'."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from nanoserve import LLM, SamplingParams
     from nanoserve.model_runner import CASCADE_MIN_SEQS
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=500, max_position_embeddings=512,
-                      initializer_range=0.2)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
+                      max_position_embeddings=512, initializer_range=0.2)
     hf = Qwen3ForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path)
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 500, (32,), generator=gen).tolist()  # 2 full blocks of 16 tokens
-    prompts = [shared + torch.randint(0, 500, (3 + i % 7,), generator=gen).tolist() for i in range(CASCADE_MIN_SEQS)]
+    prompts = [shared + torch.randint(0, 500, (3 + i % 7,), generator=gen).tolist()
+               for i in range(CASCADE_MIN_SEQS)]
     num_new = 4
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([p]), max_new_tokens=num_new, min_new_tokens=num_new,
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
     with LLM(str(tmp_path), max_model_len=128, enforce_eager=True) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True),
-                            use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == expected
 
 
 def test_default_num_splits() -> None:
     cuda = torch.device("cuda")
-    with pytest.MonkeyPatch.context() as mp:  # the SM count is the only device fact used: pin an H100's
-        mp.setattr(kernels, "_sm_count", lambda device: 132)
-        assert kernels.default_num_splits(256, 8, 256, cuda) == 1  # (sequence, KV head) programs fill the GPU
-        assert kernels.default_num_splits(1, 8, 256, cuda) == kernels.MAX_SPLITS
-        assert kernels.default_num_splits(1, 8, 3, cuda) == 3  # never more splits than block-table columns
-        assert 1 < kernels.default_num_splits(32, 8, 256, cuda) < kernels.MAX_SPLITS
+    with pytest.MonkeyPatch.context() as mp:  # the SM count is the only device fact used: an H100's
+        mp.setattr(decode, "sm_count", lambda device: 132)
+        # (sequence, KV head) programs fill the GPU
+        assert kernels.default_num_splits(256, 8, 256, cuda) == 1
+        assert kernels.default_num_splits(1, 8, 256, cuda) == decode.MAX_SPLITS
+        assert kernels.default_num_splits(1, 8, 3, cuda) == 3  # no more splits than table columns
+        assert 1 < kernels.default_num_splits(32, 8, 256, cuda) < decode.MAX_SPLITS
 
 
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # CPU: the kernels compile for a Hopper GPU (Triton's front end and ptxas, no GPU needed)
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-POINTER_TYPES = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cos_sin_ptr": "*fp32", "positions_ptr": "*i64",
-                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "num_common_ptr": "*i32",
-                 "slot_mapping_ptr": "*i32", "temperatures_ptr": "*fp32", "uniforms_ptr": "*fp32", "top_ptr": "*fp32",
-                 "mass_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}  # others hold the model dtype
-SM90_CASES = [  # (kernel name, constexpr arguments): the variants the engine launches for Qwen3-0.6B's heads
-    ("_rotary_store_kernel", dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
-    ("_rotary_store_kernel", dict(H=9, H_PAD=16, HKV=3, HKV_PAD=4, HEAD_DIM=64, QK_NORM=False, STORE=False)),
-    ("_paged_decode_kernel", dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
-                                  NUM_STAGES=kernels.DECODE_NUM_STAGES, CASCADE=True, SINGLE_SPLIT=True)),
-    ("_paged_decode_kernel", dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
-                                  NUM_STAGES=kernels.DECODE_NUM_STAGES, CASCADE=False, SINGLE_SPLIT=False)),
-    ("_cascade_prefix_kernel", dict(GROUP=2, ROWS=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
-                                    NUM_STAGES=kernels.CASCADE_NUM_STAGES)),
-    ("_merge_splits_kernel", dict(HEAD_DIM=128, SPLITS_PAD=8)),
-    ("_gate_up_silu_kernel", dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, NUM_STAGES=4)),
-    ("_gate_up_silu_kernel", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, NUM_STAGES=4)),
-    ("_chunk_stats_kernel", dict(CHUNK=2048)),
-    ("_pick_token_kernel", dict(CHUNKS_PAD=128, CHUNK=2048)),
+POINTER_TYPES = {  # others hold the model dtype
+    "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cos_sin_ptr": "*fp32", "top_ptr": "*fp32",
+    "positions_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+    "num_common_ptr": "*i32", "slot_mapping_ptr": "*i32", "temperatures_ptr": "*fp32",
+    "uniforms_ptr": "*fp32", "mass_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}
+DECODE_TILES = dict(BLOCK_SIZE=16, BLOCKS_PER_ITER=4)
+SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches for Qwen3-0.6B heads
+    ("rotary._rotary_store_kernel",
+     dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
+    ("rotary._rotary_store_kernel",
+     dict(H=9, H_PAD=16, HKV=3, HKV_PAD=4, HEAD_DIM=64, QK_NORM=False, STORE=False)),
+    ("decode._paged_decode_kernel",
+     dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, NUM_STAGES=decode.DECODE_NUM_STAGES, CASCADE=True,
+          SINGLE_SPLIT=True, **DECODE_TILES)),
+    ("decode._paged_decode_kernel",
+     dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=64, NUM_STAGES=decode.DECODE_NUM_STAGES, CASCADE=False,
+          SINGLE_SPLIT=False, **DECODE_TILES)),
+    ("decode._cascade_prefix_kernel",
+     dict(GROUP=2, ROWS=64, HEAD_DIM=128, NUM_STAGES=decode.CASCADE_NUM_STAGES, **DECODE_TILES)),
+    ("decode._merge_splits_kernel", dict(HEAD_DIM=128, SPLITS_PAD=8)),
+    ("sampling._chunk_stats_kernel", dict(CHUNK=2048)),
+    ("sampling._pick_token_kernel", dict(CHUNKS_PAD=128, CHUNK=2048)),
 ]
 
 
@@ -372,32 +383,37 @@ def argument_type(name: str) -> str:
     return "fp32" if name in ("qk_scale", "eps") else "i32"
 
 
-@pytest.mark.skipif(kernels._INTERPRETED, reason="the interpreter replaces the kernels' compiler")
+@pytest.mark.skipif(kernels.INTERPRETED, reason="the interpreter replaces the kernels' compiler")
 @pytest.mark.parametrize("name, constexprs", SM90_CASES)
 def test_kernel_compiles_for_sm90(name: str, constexprs: dict) -> None:
-    """Compile a kernel to a cubin for compute capability 9.0 on this CPU machine: a kernel that only the
-    GPU compiler rejects (the interpreter runs plain Python) fails here in CI, not on the GPU machine."""
+    """Compile a kernel to a cubin for compute capability 9.0 on this CPU machine: a kernel that
+    only the GPU compiler rejects (the interpreter runs plain Python) fails here in CI, not on the
+    GPU machine."""
     import triton
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
     except ImportError as e:
         pytest.skip(f"this Triton cannot compile ahead of time: {e}")
-    kernel = getattr(kernels, name)
-    signature = {p.name: "constexpr" if p.is_constexpr else argument_type(p.name) for p in kernel.params}
+    module, kernel_name = name.split(".")
+    kernel = getattr(getattr(kernels, module), kernel_name)
+    signature = {p.name: "constexpr" if p.is_constexpr else argument_type(p.name)
+                 for p in kernel.params}
     indices = {p.name: i for i, p in enumerate(kernel.params)}
-    source = ASTSource(kernel, signature, constexprs={(indices[n],): v for n, v in constexprs.items()})
+    constexprs = {(indices[n],): v for n, v in constexprs.items()}
+    source = ASTSource(kernel, signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]
 
 
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # CPU: references against naive loops
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int],
-                           lens_k: list[int], scale: float) -> torch.Tensor:
-    """Token by token, head by head: query i of a sequence sees keys j <= i + Lk - Lq (bottom-right)."""
+def naive_causal_attention(q: Tensor, k: Tensor, v: Tensor, lens_q: list[int],
+                           lens_k: list[int], scale: float) -> Tensor:
+    """Token by token, head by head: query i of a sequence sees keys j <= i + Lk - Lq
+    (bottom-right)."""
     H, Hkv = q.shape[1], k.shape[1]
     out, q0, k0 = torch.zeros_like(q), 0, 0
     for Lq, Lk in zip(lens_q, lens_k):
@@ -411,7 +427,7 @@ def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     return out
 
 
-def cu_seqlens(lens: list[int], device: str = "cpu") -> torch.Tensor:
+def cu_seqlens(lens: list[int], device: str = "cpu") -> Tensor:
     return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
 
 
@@ -419,7 +435,8 @@ def cu_seqlens(lens: list[int], device: str = "cpu") -> torch.Tensor:
 def test_prefill_attention_ref(H: int, Hkv: int) -> None:
     lens_q, lens_k = [5, 3, 1, 4], [5, 8, 6, 4]  # sequences 2 and 3 hit a cached prefix (Lq < Lk)
     D = 16
-    q, k, v = torch.randn(sum(lens_q), H, D), torch.randn(sum(lens_k), Hkv, D), torch.randn(sum(lens_k), Hkv, D)
+    q = torch.randn(sum(lens_q), H, D)
+    k, v = torch.randn(sum(lens_k), Hkv, D), torch.randn(sum(lens_k), Hkv, D)
     args = (q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k), 0.3)
     ref = kernels.prefill_attention_ref(*args)
     torch.testing.assert_close(ref, naive_causal_attention(q, k, v, lens_q, lens_k, 0.3))
@@ -430,7 +447,8 @@ def test_gather_kv() -> None:
     B, Hkv, D = 16, 2, 8
     lens = [5, 0, 17, 32]  # ragged, empty, crosses a block, exactly two blocks
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, torch.float32)
-    k, v = kernels.gather_kv(k_cache, v_cache, kernels.context_slots(block_tables, cu_seqlens(lens), B))
+    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B)
+    k, v = kernels.gather_kv(k_cache, v_cache, slots)
     assert k.shape == v.shape == (sum(lens), Hkv, D)
     rows = [(s, t) for s, n in enumerate(lens) for t in range(n)]
     expect_k = torch.stack([k_cache[block_tables[s, t // B], t % B] for s, t in rows])
@@ -443,15 +461,17 @@ def test_paged_decode_ref_matches_prefill_ref() -> None:
     lens, B, Hkv, D, H = [1, 16, 23], 16, 2, 32, 6
     k_cache, v_cache, block_tables, ctx = make_paged_kv(lens, B, Hkv, D, torch.float32)
     q = torch.randn(len(lens), H, D)
-    k, v = kernels.gather_kv(k_cache, v_cache, kernels.context_slots(block_tables, cu_seqlens(lens), B))
+    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B)
+    k, v = kernels.gather_kv(k_cache, v_cache, slots)
     one_query = cu_seqlens([1] * len(lens))  # each sequence's newest token is its only query
     prefill = kernels.prefill_attention_ref(q, k, v, one_query, cu_seqlens(lens), 1, max(lens), 0.2)
-    torch.testing.assert_close(kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.2), prefill)
+    decoded = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.2)
+    torch.testing.assert_close(decoded, prefill)
 
 
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # GPU: compiled kernels vs references
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=5e-3, rtol=5e-3)}
 
@@ -464,14 +484,6 @@ TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=5e-3
 def test_rotary_and_store_gpu(dtype: torch.dtype, H: int, Hkv: int, D: int, qk_norm: bool) -> None:
     args = make_rotary_inputs(300, H, Hkv, D, dtype, "cuda", num_blocks=40)
     check_rotary_and_store(args, qk_norm, True, TOL[dtype])
-
-
-@pytest.mark.parametrize("M", [1, 16, 32, 64, 100, 256, 512])  # every tiling gate_up_silu picks
-@pytest.mark.parametrize("K, I", [(1024, 3072), (576, 1536)])  # Qwen3-0.6B, SmolLM2-135M
-@gpu
-@requires_cuda
-def test_gate_up_silu_gpu(M: int, K: int, I: int) -> None:
-    check_gate_up_silu(M, K, I, torch.bfloat16, TOL[torch.bfloat16], "cuda")
 
 
 @pytest.mark.parametrize("group, Hkv", [(1, 4), (2, 8), (3, 3), (8, 2), (16, 1)])
@@ -488,7 +500,8 @@ def test_paged_decode_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int)
                                                           (8, 2, 128, 32, None)])
 @gpu
 @requires_cuda
-def test_paged_decode_fp16_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int | None) -> None:
+def test_paged_decode_fp16_gpu(group: int, Hkv: int, D: int, B: int,
+                               num_splits: int | None) -> None:
     check_paged_decode_gpu(group, Hkv, D, B, num_splits, torch.float16)
 
 
@@ -497,9 +510,9 @@ def check_paged_decode_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int
     context_lens = [1, B, 2 * B + 5, 0, 300, 1000]
     k_cache, v_cache, block_tables, ctx = make_paged_kv(context_lens, B, Hkv, D, dtype, "cuda")
     q = torch.randn(len(context_lens), group * Hkv, D, dtype=dtype, device="cuda")
-    out = kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5, num_splits=num_splits)
-    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
+    args = (q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+    out = kernels.paged_decode(*args, num_splits=num_splits)
+    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), **TOL[dtype])
     assert torch.all(out[3] == 0)
 
 
@@ -507,7 +520,8 @@ def check_paged_decode_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int
 @requires_cuda
 @pytest.mark.parametrize("S", [1, 64])
 def test_sample_gpu(S: int) -> None:
-    args = sample_case(max(S, 6), 151_936, torch.bfloat16, "cuda")  # Qwen's vocab: 75 chunks, the last cut short
+    # Qwen's vocab: 75 chunks, the last cut short
+    args = sample_case(max(S, 6), 151_936, torch.bfloat16, "cuda")
     args = [a[:S] for a in args]
     check_inverts_the_cdf(*[a.float().cpu() for a in args], kernels.sample(*args).cpu())
     check_inverts_the_cdf(*[a.float().cpu() for a in args], kernels.sample_ref(*args).cpu())
@@ -516,14 +530,16 @@ def test_sample_gpu(S: int) -> None:
 @gpu
 @requires_cuda
 def test_prefill_attention_gpu() -> None:
-    """The FlashAttention path (aten FA2 or flash-attn) against the reference: GQA, prefix hits, qkv views."""
+    """The FlashAttention path (aten FA2 or flash-attn) against the reference: GQA, prefix hits, qkv
+    views."""
     H, Hkv, D = 16, 8, 128
     lens_q, lens_k = [37, 20, 1, 128], [37, 100, 1, 300]
     qkv = torch.randn(sum(lens_q), (H + 2 * Hkv) * D, dtype=torch.bfloat16, device="cuda")
     q = qkv[:, :H * D].view(-1, H, D)  # (Nq, H, D) a strided view, as the model passes it
     k = torch.randn(sum(lens_k), Hkv, D, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
-    args = (q, k, v, cu_seqlens(lens_q, "cuda"), cu_seqlens(lens_k, "cuda"), max(lens_q), max(lens_k), D**-0.5)
+    args = (q, k, v, cu_seqlens(lens_q, "cuda"), cu_seqlens(lens_k, "cuda"), max(lens_q),
+            max(lens_k), D**-0.5)
     out = kernels.prefill_attention(*args)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, kernels.prefill_attention_ref(*args), **TOL[torch.bfloat16])
@@ -532,7 +548,8 @@ def test_prefill_attention_gpu() -> None:
 @gpu
 @requires_cuda
 def test_decode_cuda_graph_gpu() -> None:
-    """rotary_and_store + paged_decode captured once, replayed on new contents: equal to eager, no host sync."""
+    """rotary_and_store + paged_decode captured once, replayed on new contents: equal to eager, no
+    host sync."""
     S, B, Hkv, D, H = 8, 16, 8, 128, 16
     lens = [1, 17, 64, 200, 0, 5, 300, 33]
     capacity = [n + 2 for n in lens]  # room for the two steps below
@@ -543,7 +560,7 @@ def test_decode_cuda_graph_gpu() -> None:
     positions = torch.zeros(S, dtype=torch.int64, device="cuda")
     cos_sin = RotaryEmbedding(D, 4096, 1e6).cos_sin.cuda()
 
-    def decode_step() -> torch.Tensor:  # what one attention layer does in a decode step
+    def decode_step() -> Tensor:  # what one attention layer does in a decode step
         kernels.rotary_and_store(q, key, value, positions, cos_sin, k_cache, v_cache, slots)
         return kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
 
@@ -560,7 +577,7 @@ def test_decode_cuda_graph_gpu() -> None:
         for s, n in enumerate(new_lens):
             slots[s] = block_tables[s, (n - 1) // B] * B + (n - 1) % B if n else -1
         positions.copy_((ctx - 1).clamp(min=0))
-        q_before, key_before = q.clone(), key.clone()  # rotated in place: eager starts again from these
+        q_before, key_before = q.clone(), key.clone()  # rotated in place: eager restarts from these
         k_before, v_before = k_cache.clone(), v_cache.clone()
         graph.replay()
         k_graph, v_graph = k_cache.clone(), v_cache.clone()
@@ -577,14 +594,15 @@ def test_decode_cuda_graph_gpu() -> None:
         torch.testing.assert_close(eager, ref, **TOL[torch.bfloat16])
 
 
-def make_cascade_decode(S: int, num_common: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple:
-    """The workload cascade attention is for, with Qwen3-0.6B heads (16 q / 8 kv, D 128), B 16: S sequences
-    share a num_common-block prompt and have 32-250 own tokens each."""
+def make_cascade_decode(S: int, num_common: int, dtype: torch.dtype = torch.bfloat16,
+                        seed: int = 0) -> tuple:
+    """The workload cascade attention is for, with Qwen3-0.6B heads (16 q / 8 kv, D 128), B 16: S
+    sequences share a num_common-block prompt and have 32-250 own tokens each."""
     H, Hkv, D, B = 16, 8, 128, 16
     own_lens = torch.randint(32, 251, (S,), generator=torch.Generator().manual_seed(seed)).tolist()
-    k_cache, v_cache, block_tables, ctx = make_cascade_kv(num_common, own_lens, B, Hkv, D, dtype, "cuda", seed)
+    kv = make_cascade_kv(num_common, own_lens, B, Hkv, D, dtype, "cuda", seed)
     q = torch.randn(S, H, D, dtype=dtype, device="cuda")  # (S, H, D)
-    return q, k_cache, v_cache, block_tables, ctx, D**-0.5
+    return q, *kv, D**-0.5
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])
@@ -600,45 +618,52 @@ def test_paged_decode_cascade_gpu(num_splits: int | None) -> None:
 @gpu
 @requires_cuda
 def test_paged_decode_cascade_cuda_graph_gpu() -> None:
-    """Captured once with P = 64, replayed with P = 0 and 32 (and a padded row): the grid never depends on P."""
+    """Captured once with P = 64, replayed with P = 0 and 32 (and a padded row): the grid never
+    depends on P."""
     q, k_cache, v_cache, block_tables, ctx, scale = make_cascade_decode(256, 64)
     ctx[-1] = 0  # a padded CUDA-graph row
     P = torch.tensor([64], dtype=torch.int32, device="cuda")
 
-    def decode() -> torch.Tensor:
-        return kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, scale, num_common_blocks=P)
+    def step() -> Tensor:
+        return kernels.paged_decode(q, k_cache, v_cache, block_tables, ctx, scale,
+                                    num_common_blocks=P)
 
-    decode()  # compile outside the capture
+    step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = decode()
+        graph_out = step()
     ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, scale)
     for num_common in (64, 0, 32):
         P.fill_(num_common)
         graph_out.zero_()
         graph.replay()
-        assert torch.equal(graph_out, decode())  # the same kernels with the same P: bit-identical
+        assert torch.equal(graph_out, step())  # the same kernels with the same P: bit-identical
         torch.testing.assert_close(graph_out, ref, **TOL[torch.bfloat16])
         assert torch.all(graph_out[-1] == 0)
 
 
 def test_common_prefix_blocks_counts_full_shared_leading_blocks():
     from nanoserve.model_runner import common_prefix_blocks
-    tables = np.array([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, -1]], np.int32)  # -1 pads a shorter table
-    assert common_prefix_blocks(tables, np.array([64, 60, 40], np.int32), 16) == 2  # column 2 differs
+    tables = np.array([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, -1]], np.int32)  # -1 pads a table
+    assert common_prefix_blocks(tables, np.array([64, 60, 40], np.int32), 16) == 2  # col 2 differs
     assert common_prefix_blocks(tables[:2], np.array([64, 60], np.int32), 16) == 3
-    assert common_prefix_blocks(tables[:2], np.array([64, 47], np.int32), 16) == 2  # block 2 not full in row 1
+    # block 2 is not full in row 1
+    assert common_prefix_blocks(tables[:2], np.array([64, 47], np.int32), 16) == 2
     assert common_prefix_blocks(tables[:2], np.array([64, 15], np.int32), 16) == 0
 
 
 def test_prefill_logits_rows_pad_to_a_graph_batch_size():
-    """With graphs the LM head runs only at captured batch sizes (their cuBLAS kernels loaded at start-up):
-    prefill repeats its last sequence's row up to one, and the caller keeps the first num_seqs rows of logits."""
+    """With graphs the LM head runs only at captured batch sizes (their cuBLAS kernels loaded at
+    start-up): prefill repeats its last sequence's row up to one, and the caller keeps the first
+    num_seqs rows of logits."""
     from types import SimpleNamespace
+
     from nanoserve.model_runner import ModelRunner, graph_batch_size
-    assert [graph_batch_size(n) for n in (1, 3, 8, 9, 37, 48, 512, 600)] == [1, 4, 8, 16, 48, 48, 512, 512]
+    sizes = [graph_batch_size(n) for n in (1, 3, 8, 9, 37, 48, 512, 600)]
+    assert sizes == [1, 4, 8, 16, 48, 48, 512, 512]
     cu_q = np.array([0, 5, 7, 20], np.int32)  # 3 sequences
     rows = ModelRunner._last_token_rows(SimpleNamespace(max_graph_batch=48), cu_q)
     assert rows.tolist() == [4, 6, 19, 19] and rows.dtype == np.int64  # padded to 4 rows
-    for no_graph in (SimpleNamespace(max_graph_batch=0), SimpleNamespace(max_graph_batch=2)):  # none, or too small
+    # no graphs, or none big enough
+    for no_graph in (SimpleNamespace(max_graph_batch=0), SimpleNamespace(max_graph_batch=2)):
         assert ModelRunner._last_token_rows(no_graph, cu_q).tolist() == [4, 6, 19]

@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig
 
 from nanoserve.config import Config, SamplingParams
-from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.overlap import PENDING, OverlapLoop
+from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
 BS = 4  # tokens per KV block (allowed on the CPU)
@@ -24,8 +24,8 @@ VOCAB = 1000
 def model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=4096, eos_token_id=EOS,
-                architectures=["LlamaForCausalLM"]).save_pretrained(path)
+                num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=4096,
+                eos_token_id=EOS, architectures=["LlamaForCausalLM"]).save_pretrained(path)
     return str(path)
 
 
@@ -40,7 +40,7 @@ def make_seq(token_ids: list[int], **params) -> Sequence:
 
 
 def prompt(n: int, start: int = 0) -> list[int]:
-    """n distinct tokens (never EOS), so prompts do not share prefix blocks unless a test wants them to."""
+    """n distinct tokens (never EOS): prompts share no prefix blocks unless a test makes them."""
     return [(start + i) % 900 for i in range(n)]
 
 
@@ -65,7 +65,8 @@ def test_prefill_respects_token_budget(model_dir):
     assert list(sched.running) == seqs[:2] and list(sched.waiting) == [seqs[2]]
     sched.postprocess(batch, [11, 12, 13])
     assert seqs[0].output_token_ids == [11] and seqs[1].output_token_ids == [12]
-    assert seqs[2].output_token_ids == [] and seqs[2].num_computed_tokens == 4  # a chunk samples nothing
+    # a chunk samples nothing
+    assert seqs[2].output_token_ids == [] and seqs[2].num_computed_tokens == 4
     batch = sched.schedule()
     assert batch.is_prefill and batch.seqs == [seqs[2]] and batch.num_new_tokens == [4]
 
@@ -102,7 +103,8 @@ def test_prefill_fills_up_to_max_num_seqs(model_dir):
 
 
 def test_decode_respects_max_num_seqs(model_dir):
-    """More running sequences than max_num_seqs (a smaller limit than when they started) decode in turns."""
+    """More running sequences than max_num_seqs (a limit lowered since they started) decode in
+    turns."""
     sched = make_scheduler(model_dir, max_num_seqs=3)
     seqs = [make_seq(prompt(3, 100 * i), max_tokens=9) for i in range(3)]
     for seq in seqs:
@@ -129,8 +131,9 @@ def test_chunked_prefill_samples_only_after_last_chunk(model_dir):
         assert sched.postprocess(batch, [111 + i]) == []
         assert long.num_computed_tokens == expected_computed
         assert long.num_tokens == 20 and long.output_token_ids == []  # no token from a chunk
-        assert long.status == SequenceStatus.WAITING and sched.waiting[0] is long  # still first in line
-        assert long.num_hashed_blocks == expected_computed // BS  # computed chunks enter the prefix cache
+        # still first in line
+        assert long.status == SequenceStatus.WAITING and sched.waiting[0] is long
+        assert long.num_hashed_blocks == expected_computed // BS  # chunks enter the prefix cache
     batch = sched.schedule()  # the last 4 tokens, then the short prompt fills the budget
     assert batch.is_prefill and batch.seqs == [long, short] and batch.num_new_tokens == [4, 3]
     sched.postprocess(batch, [5, 6])
@@ -161,8 +164,9 @@ def test_decode_gives_every_running_sequence_one_token(model_dir):
     for i in range(4):
         lengths = [seq.num_tokens for seq in seqs]
         batch = sched.schedule()
-        # longest context first (the decode kernel's preferred order); the running queue keeps arrival order
-        assert not batch.is_prefill and batch.seqs == seqs[::-1] and batch.num_new_tokens == [1, 1, 1]
+        # longest context first (the decode kernel's preferred order); running keeps arrival order
+        assert not batch.is_prefill and batch.seqs == seqs[::-1]
+        assert batch.num_new_tokens == [1, 1, 1]
         assert list(sched.running) == seqs
         for seq in seqs:  # a slot for the newest token's K/V
             assert len(seq.block_table) == -(-seq.num_tokens // BS)
@@ -196,7 +200,8 @@ def test_preemption_frees_newest_and_recomputes_it(model_dir, enable_prefix_cach
     assert d.status == SequenceStatus.WAITING and d.block_table == [] and d.num_computed_tokens == 0
     assert d.token_ids[:8] == prompt(8, 200) and d.num_output_tokens == 5  # its output is kept
     bm = sched.block_manager
-    assert bm.num_free_blocks == 1 and all(bm.blocks[i].ref_count == 1 for i in a.block_table + b.block_table)
+    assert bm.num_free_blocks == 1
+    assert all(bm.blocks[i].ref_count == 1 for i in a.block_table + b.block_table)
     # run to the end; every resumed sequence recomputes its generated tokens in one prefill
     resumed = []
     for _ in range(200):
@@ -213,7 +218,7 @@ def test_preemption_frees_newest_and_recomputes_it(model_dir, enable_prefix_cach
     assert not sched.has_unfinished()
     assert [seq.num_output_tokens for seq in (a, b, d, c)] == [10, 10, 10, 4]
     assert d in [seq for seq, _, _ in resumed]
-    for seq, num_out, num_cached in resumed:
+    for _, num_out, num_cached in resumed:
         assert num_out >= 1 and num_cached % BS == 0
         if not enable_prefix_caching:
             assert num_cached == 0
@@ -226,7 +231,8 @@ def test_lone_sequence_is_never_preempted_into_a_hang(model_dir):
     """With the cache just big enough for one max_model_len sequence, two requests share it by
     preemption and both finish."""
     sched = make_scheduler(model_dir, num_kvcache_blocks=4, max_model_len=16)
-    a, b = make_seq(prompt(4), max_tokens=12, ignore_eos=True), make_seq(prompt(4, 50), max_tokens=12, ignore_eos=True)
+    a = make_seq(prompt(4), max_tokens=12, ignore_eos=True)
+    b = make_seq(prompt(4, 50), max_tokens=12, ignore_eos=True)
     sched.add(a)
     sched.add(b)
     for _ in range(200):
@@ -240,9 +246,10 @@ def test_lone_sequence_is_never_preempted_into_a_hang(model_dir):
 @pytest.mark.parametrize("params, tokens, reason, num_out", [
     pytest.param(dict(max_tokens=5), [3, EOS, 3, 3, 3], "stop", 2, id="eos"),
     pytest.param(dict(max_tokens=3, ignore_eos=True), [EOS] * 5, "length", 3, id="ignore_eos"),
-    pytest.param(dict(max_tokens=5, stop_token_ids=[17]), [3, 3, 17, 3, 3], "stop", 3, id="stop_token"),
-    pytest.param(dict(max_tokens=5, stop_token_ids=[17], ignore_eos=True), [EOS, 17, 3, 3, 3], "stop", 2,
-                 id="stop_token_despite_ignore_eos"),
+    pytest.param(dict(max_tokens=5, stop_token_ids=[17]), [3, 3, 17, 3, 3], "stop", 3,
+                 id="stop_token"),
+    pytest.param(dict(max_tokens=5, stop_token_ids=[17], ignore_eos=True), [EOS, 17, 3, 3, 3],
+                 "stop", 2, id="stop_token_despite_ignore_eos"),
     pytest.param(dict(max_tokens=4), [3, 3, 3, 3, 3], "length", 4, id="max_tokens"),
     pytest.param(dict(max_tokens=1), [3, 3], "length", 1, id="max_tokens_1_in_prefill"),
     pytest.param(dict(max_tokens=1), [EOS], "stop", 1, id="eos_at_max_tokens"),
@@ -270,9 +277,10 @@ def test_finish_conditions(model_dir, params, tokens, reason, num_out):
 
 
 def true_token(seq: Sequence, position: int) -> int:
-    """The token at `position` of seq: the prompt's, then what the fake GPU samples there, a fixed function of
-    (prompt, position) with EOS now and then, so outputs can be checked however often a step was redone
-    (and equal prompts get equal outputs, whose blocks the prefix cache then shares too)."""
+    """The token at `position` of seq: the prompt's, then what the fake GPU samples there, a fixed
+    function of (prompt, position) with EOS now and then, so outputs can be checked however often a
+    step was redone (and equal prompts get equal outputs, whose blocks the prefix cache then shares
+    too)."""
     prompt = seq.token_ids[:seq.num_prompt_tokens]
     if position < len(prompt):
         return prompt[position]

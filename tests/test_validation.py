@@ -1,10 +1,10 @@
-"""Bad input raises ValueError (or OSError for a missing path) with a message that names the fix, before
-anything is scheduled, and leaves the engine usable.
+"""Bad input raises ValueError (or OSError for a missing path) with a message that names the fix,
+before anything is scheduled, and leaves the engine usable.
 
-SamplingParams and Config checks use a tmp directory with a small config.json (no weights). The request
-checks use one real engine on the default model (SmolLM2-135M-Instruct, a few seconds to load on CPU),
-shared by the module; after every rejected call it must still generate the same greedy tokens and hold
-no sequence and no block.
+SamplingParams and Config checks use a tmp directory with a small config.json (no weights). The
+request checks use one real engine on the default model (SmolLM2-135M-Instruct, a few seconds to
+load on CPU), shared by the module; after every rejected call it must still generate the same
+greedy tokens and hold no sequence and no block.
 """
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 
-# ---- SamplingParams ---------------------------------------------------------------------------------
+# ---- SamplingParams ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs, word", [
@@ -35,17 +35,17 @@ def test_sampling_params_rejects(kwargs, word):
 
 def test_sampling_params_accepts_edges():
     sp = SamplingParams(temperature=0, top_p=1.0, top_k=0, max_tokens=1, stop_token_ids=[5, 6])
-    assert sp.stop_token_ids == (5, 6)  # a list is stored as a tuple: the params stay hashable / frozen
+    assert sp.stop_token_ids == (5, 6)  # a list is stored as a tuple: params stay hashable
     SamplingParams(top_p=1e-6, top_k=1, temperature=2.5, seed=0)
 
 
-# ---- Config -----------------------------------------------------------------------------------------
+# ---- Config --------------------------------------------------------------------------------------
 
 
 def write_config(path, **overrides) -> str:
-    kwargs = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  num_hidden_layers=1, vocab_size=1000, max_position_embeddings=4096,
-                  architectures=["LlamaForCausalLM"])
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=1, vocab_size=1000,
+                  max_position_embeddings=4096, architectures=["LlamaForCausalLM"])
     kwargs.update(overrides)
     LlamaConfig(**kwargs).save_pretrained(path)
     return str(path)
@@ -56,8 +56,13 @@ def model_dir(tmp_path_factory) -> str:
     return write_config(tmp_path_factory.mktemp("tiny-llama"))
 
 
+def kv_config(model_dir: str, max_model_len: int, num_kvcache_blocks: int) -> Config:
+    return Config(model_dir, max_model_len=max_model_len, kvcache_block_size=16,
+                  num_kvcache_blocks=num_kvcache_blocks, device="cpu")
+
+
 def test_config_accepts_a_good_directory(model_dir):
-    cfg = Config(model_dir, max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")
+    cfg = kv_config(model_dir, max_model_len=64, num_kvcache_blocks=4)
     assert cfg.num_kvcache_blocks == 4 and cfg.max_model_len == 64
 
 
@@ -76,11 +81,11 @@ def test_config_rejects_unsupported_architecture(tmp_path, architectures):
 def test_config_rejects_kv_cache_smaller_than_one_sequence(model_dir):
     # 64 tokens in blocks of 16 need 4 blocks: 3 is too few, 4 is enough
     with pytest.raises(ValueError, match="max_model_len") as info:
-        Config(model_dir, max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=3, device="cpu")
+        kv_config(model_dir, max_model_len=64, num_kvcache_blocks=3)
     assert "num_kvcache_blocks" in str(info.value) and "needs 4" in str(info.value)
-    Config(model_dir, max_model_len=64, kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")
+    kv_config(model_dir, max_model_len=64, num_kvcache_blocks=4)
     with pytest.raises(ValueError, match="max_model_len"):
-        Config(model_dir, max_model_len=65, kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")
+        kv_config(model_dir, max_model_len=65, num_kvcache_blocks=4)
 
 
 @pytest.mark.parametrize("tp, heads", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
@@ -101,13 +106,14 @@ def test_config_rejects_bad_block_size(model_dir, block_size):
         Config(model_dir, kvcache_block_size=block_size, device="cpu")
 
 
-@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size"])
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                   "tensor_parallel_size"])
 def test_config_rejects_non_positive_sizes(model_dir, field):
     with pytest.raises(ValueError, match=field):
         Config(model_dir, device="cpu", **{field: 0})
 
 
-# ---- requests, on a real engine ---------------------------------------------------------------------
+# ---- requests, on a real engine ------------------------------------------------------------------
 
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -155,7 +161,8 @@ BAD_REQUESTS = {
     "empty token list": ([[]], GREEDY, "empty"),
     "empty string": ([""], GREEDY, "empty"),
     "prompt longer than max_model_len": ([[1] * (MAX_MODEL_LEN + 1)], GREEDY, "shorten the prompt"),
-    "prompt + max_tokens past max_model_len": ([[1] * 100], SamplingParams(max_tokens=29), "lower max_tokens"),
+    "prompt + max_tokens past max_model_len":
+        ([[1] * 100], SamplingParams(max_tokens=29), "lower max_tokens"),
     "token id outside the vocabulary": ([[1, 2, VOCAB]], GREEDY, "vocabulary"),
     "params list length mismatch": ([PROBE, PROBE], [GREEDY], "one per prompt"),
     "one good, one bad prompt": ([PROBE, [1] * (MAX_MODEL_LEN + 1)], GREEDY, "max_model_len"),
@@ -196,9 +203,10 @@ def test_more_bad_requests_raise(llm, reference):
 
 @pytest.mark.slow
 def test_request_of_exactly_max_model_len_runs(llm, reference):
-    """prompt + max_tokens == max_model_len fits the smallest allowed cache: it must run, not hang."""
+    """prompt + max_tokens == max_model_len fits the smallest cache: it must run, not hang."""
     prompt = [1] + [28] * (MAX_MODEL_LEN - 5)  # 124 tokens, 4 to generate
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)
     assert len(out[0]["token_ids"]) == 4 and out[0]["finish_reason"] == "length"
     assert_engine_idle(llm)
 
@@ -210,7 +218,7 @@ def test_unknown_setting_is_named():
 
 @pytest.mark.slow
 def test_numpy_token_ids_are_accepted(llm, reference):
-    """Token ids straight from numpy (an int64 array, or a list of np.int32) give the same tokens as ints."""
+    """Token ids from numpy (an int64 array, or a list of np.int32) give the same tokens as ints."""
     ids = llm.tokenizer.encode(PROBE)
     for prompt in (np.array(ids, np.int64), list(np.array(ids, np.int32))):
         out = llm.generate([prompt], GREEDY, use_tqdm=False)

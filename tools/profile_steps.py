@@ -1,11 +1,14 @@
 """profile_steps.py: where the time of a bench workload goes, step by step (a developer tool, GPU).
 
-For every engine step it records the host time of each phase (schedule, prepare, launch, wait for the
-sampled tokens, postprocess) and the GPU time between two CUDA events around forward + sampling. It
-prints the totals by step kind and decode batch size, then a torch.profiler kernel table of a few
-decode steps at batch 256 and at batch 32.
+For every engine step it records the host time of each phase (schedule, prepare, launch, wait
+for the sampled tokens, postprocess) and the GPU time between two CUDA events around forward +
+sampling. It prints the totals by step kind and decode batch size, then (--kernels) torch.profiler
+kernel tables of a few decode steps at batch 256 and at batch 32, and of a prefill. The phases
+are timed by wrapping the engine's methods: Scheduler's and ModelRunner's for both loops,
+OverlapLoop's too with overlap scheduling. On a CPU it runs a tiny model, as a smoke test.
 
-    python tools/profile_steps.py [--workload w1|w2] [--no-prefix-caching] [--json out.json]
+    python tools/profile_steps.py [--workload w1|w2] [--no-prefix-caching] [--no-overlap]
+                                  [--kernels] [--prefill] [--json out.json]
 """
 import argparse
 import json
@@ -17,13 +20,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import (QWEN3_0_6B, QWEN3_TINY, TEMPERATURE, build_random_qwen3, make_w1, make_w2,  # noqa: E402
-                   nanoserve_params, warmup_workload)
+from bench import (  # noqa: E402
+    QWEN3_0_6B,
+    QWEN3_TINY,
+    TEMPERATURE,
+    make_w1,
+    make_w2,
+    nanoserve_params,
+    warmup_workload,
+)
+from bench_utils import build_random_qwen3  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.model_runner import StepOutput  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-BUCKETS = [(192, "decode b>=192"), (64, "decode b 64-191"), (16, "decode b 16-63"), (1, "decode b<16")]
+BUCKETS = [(192, "decode b>=192"), (64, "decode b 64-191"), (16, "decode b 16-63"),
+           (1, "decode b<16")]
+KEYS = ["wall", "gpu", "schedule", "run", "prepare", "wait", "postprocess"]
 
 
 def bucket(batch) -> str:
@@ -33,46 +46,56 @@ def bucket(batch) -> str:
 
 
 def instrument(llm: LLM) -> list[dict]:
-    """Wrap the engine's step phases with timers; returns the list each step appends its record to.
-    A step's GPU time runs from the launch of its forward to the end of its sampling (CUDA events); with
-    overlap the next step is prepared and launched inside this step's call, and its host time counts here."""
+    """Wrap the engine's step phases with timers; returns the list each step appends its record
+    to. A step's GPU time runs from the launch of its forward to the end of its sampling (CUDA
+    events); with overlap the next step is scheduled, prepared and launched inside this step's
+    call (OverlapLoop._launch_next), and its host time counts here."""
     runner, sched, records = llm.model_runner, llm.scheduler, []
     current: dict = {}
-    events: dict[int, tuple] = {}  # id(batch) -> (start, end) CUDA events of its GPU work
+    active: set[str] = set()  # phases being timed: a nested call of the same phase adds nothing
+    events: dict[int, tuple] = {}  # id(batch) -> (batch, start, end) CUDA events of its GPU work
 
-    def timed(obj, name, key):
+    def timed(obj, name: str, key: str) -> None:
         fn = getattr(obj, name)
 
         def wrapper(*a, **k):
+            if key in active:  # e.g. schedule() calling schedule_prefill()
+                return fn(*a, **k)
+            active.add(key)
             t = time.perf_counter()
-            out = fn(*a, **k)
-            current[key] = current.get(key, 0.0) + time.perf_counter() - t
-            return out
+            try:
+                return fn(*a, **k)
+            finally:
+                current[key] = current.get(key, 0.0) + time.perf_counter() - t
+                active.discard(key)
         setattr(obj, name, wrapper)
-        return wrapper
 
     forward, run = runner.forward, runner.run
 
-    def forward_with_event(inputs):
+    def forward_with_event(inputs, input_ids=None):
         if CUDA:
             current["launch"] = torch.cuda.Event(enable_timing=True)
             current["launch"].record()
-        return forward(inputs)
+        return forward(inputs, input_ids)
 
-    def run_with_events(batch, prev=None):
-        out = run(batch, prev)
-        if CUDA:
+    def run_with_events(batch, input_ids=None):
+        out = run(batch, input_ids)
+        if CUDA:  # the batch is kept in the dict, so its id is not reused while it waits there
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            events[id(batch)] = (current.pop("launch"), end)
+            events[id(batch)] = (batch, current.pop("launch"), end)
         return out
 
+    # the overlap loop calls these through the same runner and scheduler objects
     runner.forward, runner.run = forward_with_event, run_with_events
     timed(runner, "prepare", "prepare")
     timed(runner, "run", "run")
-    timed(sched, "schedule", "schedule")
-    timed(sched, "schedule_ahead", "schedule")
+    for name in ("schedule", "schedule_prefill", "schedule_decode"):
+        timed(sched, name, "schedule")
     timed(sched, "postprocess", "postprocess")
+    if llm.overlap is not None:  # its own halves: the next decode, and dropping late tokens
+        timed(llm.overlap, "_schedule_decode", "schedule")
+        timed(llm.overlap, "_postprocess", "postprocess")
     timed(StepOutput, "tolist", "wait")
     step = llm.step
 
@@ -82,10 +105,11 @@ def instrument(llm: LLM) -> list[dict]:
         finished, batch = step()
         current["wall"] = time.perf_counter() - t
         if CUDA:
-            start, end = events.pop(id(batch))
+            _, start, end = events.pop(id(batch))
             end.synchronize()
             current["gpu"] = start.elapsed_time(end) / 1e3
-        records.append({"kind": bucket(batch), "seqs": len(batch.seqs), "tokens": sum(batch.num_new_tokens),
+        records.append({"kind": bucket(batch), "seqs": len(batch.seqs),
+                        "tokens": sum(batch.num_new_tokens),
                         **{k: v for k, v in current.items() if k != "launch"}})
         return finished, batch
     llm.step = step_wrapper
@@ -93,25 +117,34 @@ def instrument(llm: LLM) -> list[dict]:
 
 
 def summarize(records: list[dict], total_s: float) -> dict:
-    keys = ["wall", "gpu", "schedule", "run", "prepare", "wait", "postprocess"]
     groups: dict = defaultdict(lambda: defaultdict(float))
     for r in records:
         g = groups[r["kind"]]
         g["steps"] += 1
         g["tokens"] += r["tokens"]
-        for k in keys:
+        for k in KEYS:
             g[k] += r.get(k, 0.0)
-    print(f"\nwall {total_s:.3f} s over {len(records)} steps; seconds per group. gpu: CUDA event time from "
-          "forward launch to end of sampling; run: host time launching (prepare included); wait: host "
-          "waiting for sampled tokens")
-    print(f"{'group':18} {'steps':>6} {'tokens':>8} " + " ".join(f"{k:>11}" for k in keys))
+    print(f"\nwall {total_s:.3f} s over {len(records)} steps; seconds per group. gpu: CUDA event "
+          "time from forward launch to end of sampling; run: host time launching (prepare "
+          "included); wait: host waiting for sampled tokens")
+    print(f"{'group':18} {'steps':>6} {'tokens':>8} " + " ".join(f"{k:>11}" for k in KEYS))
     for name, g in groups.items():
-        print(f"{name:18} {int(g['steps']):6d} {int(g['tokens']):8d} " + " ".join(f"{g[k]:11.3f}" for k in keys))
+        print(f"{name:18} {int(g['steps']):6d} {int(g['tokens']):8d} "
+              + " ".join(f"{g[k]:11.3f}" for k in KEYS))
     return {name: dict(g) for name, g in groups.items()}
 
 
+def drain(llm: LLM) -> None:
+    """Step until every request has finished and no step is left in flight."""
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    if llm.overlap is not None:
+        llm.overlap.finish()  # a step launched for sequences that turned out finished
+
+
 def kernel_table(llm: LLM, batch: int, context: int, prefill: bool = False) -> str:
-    """torch.profiler over the prefill steps, or over 8 decode steps, of `batch` prompts of `context` tokens."""
+    """torch.profiler over the prefill steps, or over 8 decode steps, of `batch` prompts of
+    `context` tokens."""
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=12, ignore_eos=True)
     for i in range(batch):
         llm.add_request([(i * 7 + j) % 10000 + i for j in range(context)], params)
@@ -124,13 +157,14 @@ def kernel_table(llm: LLM, batch: int, context: int, prefill: bool = False) -> s
                 break
             llm.step()
         torch.cuda.synchronize()
-    while not llm.scheduler.is_finished() or llm.ahead:
-        llm.step()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
+    drain(llm)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=22,
+                                     max_name_column_width=60)
 
 
 def prefill_timing(llm: LLM, num_seqs: int = 16, prompt_len: int = 1024) -> None:
-    """Time single prefill steps of random prompts: host time to launch vs GPU time; then their kernels."""
+    """Time single prefill steps of random prompts (the plain loop's calls, no overlap): host
+    time to launch vs GPU time; then their kernels."""
     rng = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=1, ignore_eos=True)
 
@@ -143,34 +177,43 @@ def prefill_timing(llm: LLM, num_seqs: int = 16, prompt_len: int = 1024) -> None
         t1 = time.perf_counter()
         out = llm.model_runner.run(batch)
         t2 = time.perf_counter()
-        out.tolist()
+        token_ids = out.tolist()
         t3 = time.perf_counter()
-        llm.scheduler.postprocess(batch, out.tolist())
+        llm.scheduler.postprocess(batch, token_ids)
         return t1 - t0, t2 - t1, t3 - t1, sum(batch.num_new_tokens)
     for _ in range(3):
         sched, launch, total, tokens = one_step()
-        print(f"prefill step of {tokens} tokens: schedule {sched * 1e3:.1f} ms, prepare+launch {launch * 1e3:.1f} ms, "
-              f"launch to tokens {total * 1e3:.1f} ms")
+        print(f"prefill step of {tokens} tokens: schedule {sched * 1e3:.1f} ms, "
+              f"prepare+launch {launch * 1e3:.1f} ms, launch to tokens {total * 1e3:.1f} ms")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         one_step()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                    max_name_column_width=60))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="w1", choices=["w1", "w2"])
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-overlap", action="store_true", help="overlap_scheduling=False")
+    p.add_argument("--kernels", action="store_true",
+                   help="also print the torch.profiler kernel tables")
+    p.add_argument("--prefill", action="store_true",
+                   help="only time and profile single prefill steps")
+    p.add_argument("--json", help="write the per-group totals and every step's record here")
+    return p.parse_args()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--workload", default="w1")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-overlap", action="store_true", help="overlap_scheduling=False")
-    p.add_argument("--kernels", action="store_true", help="also print the torch.profiler kernel tables")
-    p.add_argument("--prefill", action="store_true", help="only time and profile single prefill steps")
-    p.add_argument("--json")
-    args = p.parse_args()
+    args = parse_args()
+    cache = Path.home() / ".cache/nanoserve"
     if CUDA:
-        model_dir = build_random_qwen3(Path.home() / ".cache/nanoserve/qwen3-0.6b-random", QWEN3_0_6B, "cuda")
+        model_dir = build_random_qwen3(cache / "qwen3-0.6b-random", QWEN3_0_6B, "cuda")
         wl = make_w1() if args.workload == "w1" else make_w2()
     else:  # a smoke test of this script on the CPU
-        model_dir = build_random_qwen3(Path.home() / ".cache/nanoserve/qwen3-tiny-random", QWEN3_TINY, "cpu")
+        model_dir = build_random_qwen3(cache / "qwen3-tiny-random", QWEN3_TINY, "cpu")
         wl = make_w1(8, 16, 64, 8, 32) if args.workload == "w1" else make_w2(8, 64, 8, 16, 16)
     with LLM(model_dir, max_model_len=4096, enable_prefix_caching=not args.no_prefix_caching,
              overlap_scheduling=not args.no_overlap) as llm:
@@ -186,10 +229,13 @@ def main() -> None:
         summary = summarize(records, total)
         if args.kernels and CUDA:
             for b, ctx in ((256, 600), (32, 1500)):
-                print(f"\nkernels of 8 decode steps, batch {b}, context {ctx}\n" + kernel_table(llm, b, ctx))
-            print("\nkernels of the prefill steps of 32 prompts of 1000 tokens\n" + kernel_table(llm, 32, 1000, True))
+                print(f"\nkernels of 8 decode steps, batch {b}, context {ctx}\n"
+                      + kernel_table(llm, b, ctx))
+            print("\nkernels of the prefill steps of 32 prompts of 1000 tokens\n"
+                  + kernel_table(llm, 32, 1000, True))
     if args.json:
-        Path(args.json).write_text(json.dumps({"total_s": total, "groups": summary, "steps": records}))
+        Path(args.json).write_text(json.dumps({"total_s": total, "groups": summary,
+                                               "steps": records}))
 
 
 if __name__ == "__main__":
