@@ -1,11 +1,12 @@
 """bench_micro.py: the two GPU micro-benchmarks behind the README's kernel and CUDA-graph figures.
 
-  decode kernel   paged_decode at Qwen3-0.6B's heads (16 q / 8 KV, head dim 128, bf16, block 16), context
-                  1024: bytes it must read (K and V of every sequence, q, out) over its time, as a fraction
-                  of the HBM bandwidth. Inputs rotate through more memory than L2 holds, so every read is
-                  a real HBM read.
-  decode step     one whole decode forward (model + LM head + sampling) of the random-weight Qwen3-0.6B
-                  from bench.py, eager vs CUDA graph, at several batch sizes, context 1024.
+  decode kernel   paged_decode at Qwen3-0.6B's heads (16 q / 8 KV, head dim 128, bf16, block 16),
+                  context 1024: bytes it must read (K and V of every sequence, q, out) over its
+                  time, as a fraction of the HBM bandwidth. Inputs rotate through more memory than
+                  L2 holds, so every read is a real HBM read.
+  decode step     one whole decode forward (model + LM head + sampling) of the random-weight
+                  Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
+                  1024.
 
     python bench_micro.py [--bandwidth 3.35e12] [--json out.json]
 """
@@ -50,7 +51,8 @@ def decode_kernel(batch: int, bandwidth: float) -> dict:
         k = torch.randn(batch * blocks_per_seq, B, Hkv, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-        tables = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32).view(batch, -1)
+        tables = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32)
+        tables = tables.view(batch, -1)  # (S, max_blocks)
         sets.append((q, k, v, tables))
     lens = torch.full((batch,), CONTEXT, device="cuda", dtype=torch.int32)
     calls = [0]
@@ -62,12 +64,14 @@ def decode_kernel(batch: int, bandwidth: float) -> dict:
 
     seconds = time_cuda(call, iters=50)
     bytes_read = kv_bytes + 2 * batch * H * D * 2  # K + V + q + out
-    return {"batch": batch, "us": seconds * 1e6, "bytes": bytes_read, "TB/s": bytes_read / seconds / 1e12,
-            "fraction_of_bandwidth": bytes_read / seconds / bandwidth}
+    bytes_per_s = bytes_read / seconds
+    return {"batch": batch, "us": seconds * 1e6, "bytes": bytes_read, "TB/s": bytes_per_s / 1e12,
+            "fraction_of_bandwidth": bytes_per_s / bandwidth}
 
 
 def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
-    """Seconds of one decode step (inputs -> forward -> sample) for `batch` sequences of CONTEXT tokens."""
+    """Seconds of one decode step (inputs -> forward -> sample) for `batch` sequences of CONTEXT
+    tokens."""
     runner = llm.model_runner
     B = llm.config.kvcache_block_size
     seqs = []
@@ -83,7 +87,8 @@ def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bandwidth", type=float, help="HBM bytes/s (default: by GPU name)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -99,9 +104,10 @@ def main() -> None:
     with LLM(model_dir, max_model_len=2048, num_kvcache_blocks=256 * CONTEXT // 16 + 64) as llm:
         for batch in (1, 32, 256):
             eager, graph = decode_step(llm, batch, False), decode_step(llm, batch, True)
-            result["step"].append({"batch": batch, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3})
-            print(f"decode step batch {batch:3d}: eager {eager * 1e3:7.2f} ms  graph {graph * 1e3:7.2f} ms  "
-                  f"({eager / graph:.1f}x)", flush=True)
+            result["step"].append({"batch": batch, "eager_ms": eager * 1e3,
+                                   "graph_ms": graph * 1e3})
+            print(f"decode step batch {batch:3d}: eager {eager * 1e3:7.2f} ms  "
+                  f"graph {graph * 1e3:7.2f} ms  ({eager / graph:.1f}x)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -30,11 +30,8 @@ def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
     """Hash of a full block, chained to the hash of everything before it.
 
     The chaining is what makes the index a prefix cache: equal hashes mean equal prefixes."""
-    h = xxhash.xxh64()
-    if prefix_hash != NO_HASH:
-        h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+    prefix = b"" if prefix_hash == NO_HASH else prefix_hash.to_bytes(8, "little")
+    return xxhash.xxh64_intdigest(prefix + np.asarray(token_ids, dtype=np.int64).tobytes())
 
 
 class BlockManager:
@@ -57,10 +54,9 @@ class BlockManager:
         """Block ids of the longest cached prefix of seq's full blocks (none if caching is off).
 
         A hit also compares the token ids, so a hash collision can never serve wrong K/V."""
-        hits: list[int] = []
         if not self.enable_prefix_caching:
-            return hits
-        prefix_hash = NO_HASH
+            return []
+        hits, prefix_hash = [], NO_HASH
         for i in range(seq.num_tokens // self.block_size):
             tokens = seq.block_tokens(i)
             prefix_hash = chain_hash(tokens, prefix_hash)
@@ -79,8 +75,10 @@ class BlockManager:
         num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # hits taken from the pool
         if num_revived + seq.num_blocks - len(hits) > self.num_free_blocks:
             return False
-        for block_id in hits:
-            self._take(block_id)
+        for block in (self.blocks[b] for b in hits):
+            if block.ref_count == 0:  # a hit on a freed block takes it back from the pool
+                del self.free_block_ids[block.block_id]
+            block.ref_count += 1
         seq.block_table = hits + [self._allocate_fresh() for _ in range(seq.num_blocks - len(hits))]
         # logits need at least one computed token: a fully cached prompt recomputes its last one
         seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
@@ -89,21 +87,14 @@ class BlockManager:
         self.stats["hit"] += len(hits)
         return True
 
-    def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_block_ids[block_id]
-        block.ref_count += 1
-
     def _allocate_fresh(self) -> int:
         """Hand out the least recently freed block, evicting its old prefix-cache entry."""
-        block_id = next(iter(self.free_block_ids))
-        del self.free_block_ids[block_id]
-        block = self.blocks[block_id]
+        block = self.blocks[next(iter(self.free_block_ids))]
+        del self.free_block_ids[block.block_id]
         self._unregister(block)
         block.ref_count = 1
         self.stats["allocated"] += 1
-        return block_id
+        return block.block_id
 
     def _unregister(self, block: Block) -> None:
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block.block_id:
@@ -117,8 +108,7 @@ class BlockManager:
         recently freed first); one registered for a step that never finished has no K/V, so it
         leaves the index."""
         # last block first: a sequence's tail is the least likely prefix of another: evict it first
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
+        for block in (self.blocks[b] for b in reversed(seq.block_table)):
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:

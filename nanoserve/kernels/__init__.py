@@ -1,11 +1,9 @@
-"""GPU kernels, each beside its plain-torch reference, one module per family: rotary + KV store
-(rotary), paged decode with cascade attention (decode), varlen prefill (prefill) and sampling
-(sampling); common says whether the Triton kernels run at all.
+"""GPU kernels, one module per family, each Triton kernel beside its plain-torch reference.
 
-Owns the math on the paged KV cache and the sampler's draw, nothing else: layers.Attention and
-layers.Sampler pick what to call, model_runner builds the batch tensors. On CUDA the Triton kernels
-run; on CPU the references run, unless TRITON_INTERPRET=1 at import built the kernels with Triton's
-interpreter (CI). Invariant: no kernel syncs with the host, so a decode step can be a CUDA graph.
+rotary: q/k norm, rotary and KV store; decode: paged decode with cascade attention; prefill: varlen
+prefill; sampling: the sampler's draw; common: whether Triton runs. layers picks what to call. On
+CUDA the Triton kernels run, on CPU the references, unless TRITON_INTERPRET=1 at import built them
+with Triton's interpreter (CI). Invariant: no kernel syncs with the host, so decode can be a graph.
 """
 # ruff: noqa: F401  (this module only re-exports the public names of its submodules)
 

@@ -104,11 +104,11 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
-    block_table = block_tables_ptr + seq * block_tables_stride  # this sequence's row
     for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
         seq_block = block + offs_t // BLOCK_SIZE  # (TILE,) the sequence's block index of each row
         in_split = seq_block < block_end  # never read block-table entries past the sequence's end
-        block_id = tl.load(block_table + seq_block, mask=in_split, other=0)  # (TILE,)
+        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + seq_block, mask=in_split,
+                           other=0)  # (TILE,)
         offset = offs_t % BLOCK_SIZE
         valid = in_split & (seq_block * BLOCK_SIZE + offset < context_len)  # ragged last block
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset,
@@ -201,13 +201,14 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, HEAD_D
     seq, head = tl.program_id(0), tl.program_id(1)
     row = seq * tl.num_programs(1) + head  # row of part_lse (S, H, splits) and out (S, H, D)
     offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
-    slots = row * num_splits + offs_s  # (SPLITS_PAD,) rows of part_out (S * H * splits, D)
-    lse = tl.load(part_lse_ptr + slots, mask=offs_s < num_splits, other=float("-inf"))
+    split_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=split_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context_len 0: all empty, no NaN
     weight = tl.exp2(lse - lse_max)  # (SPLITS_PAD,) each split's share of the softmax mass
-    parts = tl.load(part_out_ptr + slots[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=(lse > float("-inf"))[:, None], other=0.0)  # (SPLITS_PAD, D)
+    # (SPLITS_PAD, D) partial outputs; empty splits wrote none
+    parts = tl.load(part_out_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM
+                    + offs_d[None, :], mask=(lse > float("-inf"))[:, None], other=0.0)
     total = tl.sum(weight, axis=0)
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)  # (D,)
     tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))

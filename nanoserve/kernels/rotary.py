@@ -1,10 +1,9 @@
-"""Rotary + KV store: Qwen3's per-head RMSNorm of q and k, the rotary embedding of both, and the new
-keys and values scattered into their paged cache slots, in one launch per layer instead of five (two
-norms, two rotations, the store). Beside the kernel, the plain-torch references it must match.
+"""Rotary + KV store: q/k RMSNorm, rotary embedding and the paged-cache write in one kernel.
 
-Invariant: slot = block_id * B + offset; slot -1 (a padded CUDA-graph row) writes nowhere; no host
-sync, so the decode step can be captured in a CUDA graph. Called by layers.Attention (and layers'
-RMSNorm for rms_norm_ref); the cache is (num_blocks, B, Hkv, D).
+One launch per layer instead of five (two norms, two rotations, the store), beside the plain-torch
+references it must match. Invariant: slot = block_id * B + offset; slot -1 (a padded CUDA-graph row)
+writes nowhere; no host sync. Called by layers: its plain path runs the references step by step,
+its fused path rotary_and_store. The cache is (num_blocks, B, Hkv, D).
 """
 
 import torch

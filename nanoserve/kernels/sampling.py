@@ -1,11 +1,11 @@
-"""Sampling by inverting the CDF: one uniform u per row, and the token where the row's cumulative
-softmax probability first exceeds u; the argmax where the temperature is 0.
+"""Sampling by inverting the CDF, in two kernels so that none scans a whole row in order.
 
-Owns the draw only: layers.Sampler applies top-k / top-p masks first and draws the uniforms. Two
-kernels, so nothing scans a whole row in order: per chunk of SAMPLE_CHUNK logits, its max, where it
-is, and its softmax mass (a (rows, chunks) grid that reads the logits once); then per row, the chunk
-where the cumulative mass passes u, and the token inside that chunk. Invariant: no host sync, one
-random number per row. sample_ref is the definition, the CPU path and the test oracle.
+One uniform u per row, and the token where the row's cumulative softmax probability first exceeds
+u; the argmax where the temperature is 0. Per chunk of SAMPLE_CHUNK logits: its max, where it is,
+and its softmax mass (a (rows, chunks) grid that reads the logits once); then per row, the chunk
+where the cumulative mass passes u, and the token inside it. Owns the draw only: layers.Sampler
+masks top-k / top-p and draws the uniforms. Invariant: no host sync, one random number per row.
+sample_ref is the definition, the CPU path and the test oracle.
 """
 
 import torch
