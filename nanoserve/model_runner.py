@@ -91,13 +91,13 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         if config.tensor_parallel_size > 1:
             init_process_group(config, rank, port)
-        self.model = self._build_model()
-        self.sampler = Sampler()
-        self.allocate_kv_cache()
-        self.graphs: DecodeGraphs | None = None
         # decode batches up to this size replay a graph: the captured size >= max_num_seqs
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.max_graph_batch = graph_batch_size(config.max_num_seqs) if use_graphs else 0
+        self.graphs: DecodeGraphs | None = None
+        self.model = self._build_model()
+        self.sampler = Sampler()
+        self.allocate_kv_cache()
         if use_graphs:
             with self.device, torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.max_graph_batch,
