@@ -1,9 +1,11 @@
-"""bench_micro.py: the two GPU micro-benchmarks behind the README's kernel and CUDA-graph figures.
+"""bench_micro.py: the GPU micro-benchmarks behind docs/performance.md's kernel figures.
 
   decode kernel   paged_decode at Qwen3-0.6B's heads (16 q / 8 KV, head dim 128, bf16, block 16),
                   context 1024: bytes it must read (K and V of every sequence, q, out) over its
                   time, as a fraction of the HBM bandwidth. Inputs rotate through more memory than
                   L2 holds, so every read is a real HBM read.
+  sampler         kernels.sample (the Gumbel race) over Qwen's 151,936 bf16 logits per row at
+                  temperature 1, timed per call with CUDA events (the launches included).
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
                   Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
                   1024.
@@ -18,7 +20,7 @@ import torch
 
 from bench import HBM_BANDWIDTH, QWEN3_0_6B, resolve_model_dir
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import paged_decode
+from nanoserve.kernels import paged_decode, sample
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
@@ -86,6 +88,14 @@ def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
     return seconds
 
 
+def sampler(batch: int, vocab: int = 151_936) -> float:
+    """Seconds of one kernels.sample call on (batch, vocab) bf16 logits at temperature 1."""
+    logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    temperatures = torch.ones(batch, device="cuda")
+    keys = torch.randint(0, 2**62, (batch,), device="cuda")
+    return time_cuda(lambda: sample(logits, temperatures, keys), iters=50)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,6 +110,9 @@ def main() -> None:
         result["kernel"].append(r)
         print(f"paged_decode batch {batch:3d}: {r['us']:8.1f} us  {r['TB/s']:.2f} TB/s  "
               f"{100 * r['fraction_of_bandwidth']:.0f}% of {bandwidth / 1e12:.2f} TB/s", flush=True)
+    result["sampler"] = [{"batch": b, "us": sampler(b) * 1e6} for b in (1, 32, 256)]
+    for r in result["sampler"]:
+        print(f"sampler batch {r['batch']:3d}: {r['us']:6.1f} us", flush=True)
     model_dir = resolve_model_dir(argparse.Namespace(model=None, tiny=False), cpu=False)
     with LLM(model_dir, max_model_len=2048, num_kvcache_blocks=256 * CONTEXT // 16 + 64) as llm:
         for batch in (1, 32, 256):

@@ -137,7 +137,7 @@ SAMPLING_CHECKS: tuple[Check, ...] = (
     ("top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
     ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("seed", lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or None"),
-    ("stop_token_ids", lambda v: not isinstance(v, (str, bytes)) and all(map(_is_int, v)),
+    ("stop_token_ids", lambda v: isinstance(v, (list, tuple)) and all(map(_is_int, v)),
      "a list of integer token ids"),
 )
 

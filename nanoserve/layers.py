@@ -277,20 +277,21 @@ def use_fused_kernels(x: Tensor) -> bool:
 
 # ---- sampling ------------------------------------------------------------------------------------
 class Sampler(nn.Module):
-    """One token per row of logits, each row with its own temperature, top-k and top-p."""
+    """One token per row of logits, each row with its own temperature, top-k, top-p and key:
+    the key decides the draw (kernels.sampling), so a seeded row is drawn the same in any batch."""
 
-    def forward(self, logits: Tensor, temperatures: Tensor | None, uniforms: Tensor | None = None,
+    def forward(self, logits: Tensor, temperatures: Tensor | None, keys: Tensor | None = None,
                 top_ks: Tensor | None = None, top_ps: Tensor | None = None) -> Tensor:
-        # logits (S, V); temperatures (S,), None when every row is greedy; uniforms (S,) float32
-        # in [0, 1), one per row, with temperatures; top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
+        # logits (S, V); temperatures (S,), None when every row is greedy; keys (S,) int64, with
+        # temperatures; top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
         if temperatures is None:
             return logits.argmax(-1)  # (S,)
         if top_ks is None and top_ps is None:
-            return sample(logits, temperatures, uniforms)
+            return sample(logits, temperatures, keys)
         scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
         # the top token always survives the masks: greedy rows stay greedy
         masked = self.mask_top_k_top_p(scaled, top_ks, top_ps)
-        return sample(masked, (temperatures > 0).float(), uniforms)  # already scaled: T = 1, or 0
+        return sample(masked, (temperatures > 0).float(), keys)  # already scaled: T = 1, or 0
 
     @staticmethod
     def mask_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:

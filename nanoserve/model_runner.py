@@ -29,6 +29,14 @@ from nanoserve.weights import load_weights
 
 CASCADE_MIN_SEQS = 32  # cascade attention from this decode batch size on (it costs at tiny ones)
 CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on the CPU when num_kvcache_blocks is not given: 1 GiB
+KEY_LIMIT = 1 << 63  # sampling keys are int64 >= 0
+
+
+def sampling_key(seed: int, position: int) -> int:
+    """The sampler's key of a seeded request's token at `position`: a function of the two alone
+    (Python's hash of a tuple of ints is the same in every process), so the draw is the same in
+    any batch, in any order, after preemption and with or without overlap."""
+    return hash((seed, position)) % KEY_LIMIT
 
 
 @dataclass(kw_only=True)
@@ -86,7 +94,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
-        self.rng = np.random.default_rng()  # the sampler's uniforms for unseeded rows
+        self.rng = np.random.default_rng()  # the sampler's keys for unseeded rows
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if config.tensor_parallel_size > 1:
@@ -167,8 +175,8 @@ class ModelRunner:
                              cu_seqlens_k=cu)
         logits = self.forward(inputs)
         if self.rank == 0:  # compile the sampler's kernels now, not during the first requests
-            rows = torch.ones(2, device=self.device)  # temperatures and uniforms of two rows
-            self.sampler(logits[:1].expand(2, -1), rows, rows / 2)
+            ones = torch.ones(2, device=self.device)  # temperatures and keys of two rows
+            self.sampler(logits[:1].expand(2, -1), ones, ones.long())
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------
@@ -284,20 +292,19 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params = [seq.params for seq in seqs]
-        temperatures = uniforms = None  # None: every row is greedy
+        temperatures = keys = None  # None: every row is greedy
         if any(p.temperature > 0 for p in params):
             temperatures = self.to_device(np.array([p.temperature for p in params], np.float32))
-            u = self.rng.random(len(seqs), np.float32)  # (S,) one uniform per row
+            key = self.rng.integers(0, KEY_LIMIT, len(seqs))  # (S,) int64: unseeded, any key
             for i, seq in enumerate(seqs):
-                if seq.params.seed is not None:  # seeded: u depends on the seed and position only
-                    rng = np.random.default_rng((seq.params.seed, seq.num_tokens))
-                    u[i] = rng.random(dtype=np.float32)
-            uniforms = self.to_device(u)
+                if seq.params.seed is not None:  # the position of the token being sampled
+                    key[i] = sampling_key(seq.params.seed, seq.num_tokens)
+            keys = self.to_device(key)
         top_ks = (self.to_device(np.array([p.top_k for p in params]))
                   if any(p.top_k for p in params) else None)
         top_ps = (self.to_device(np.array([p.top_p for p in params], np.float32))
                   if any(p.top_p < 1 for p in params) else None)
-        token_ids = self.sampler(logits, temperatures, uniforms, top_ks, top_ps)  # (S,) int64
+        token_ids = self.sampler(logits, temperatures, keys, top_ks, top_ps)  # (S,) int64
         if self.device.type == "cpu":
             return StepOutput(token_ids, token_ids)
         host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)

@@ -89,14 +89,15 @@ class OverlapLoop:
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
     def _postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
-        # a sequence that finished in the step before (EOS seen late) drops this step's token
-        kept = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
-        for i in kept:
-            if batch.seqs[i].token_ids[-1] == PENDING:  # the real token replaces the placeholder
-                batch.seqs[i].token_ids.pop()
-        live = Batch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
-                     batch.is_prefill)
-        return self.scheduler.postprocess(live, [token_ids[i] for i in kept])
+        for seq in batch.seqs:
+            if seq.token_ids[-1] == PENDING and not seq.is_finished:
+                seq.token_ids.pop()  # the real token (postprocess appends it) replaces it
+        if any(seq.is_finished for seq in batch.seqs):  # finished a step ago (EOS seen late):
+            kept = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]  # drop its token
+            batch = Batch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
+                          batch.is_prefill)
+            token_ids = [token_ids[i] for i in kept]
+        return self.scheduler.postprocess(batch, token_ids)
 
     def finish(self) -> None:
         """Postprocess the step in flight (launched for sequences that turned out finished)."""

@@ -115,6 +115,57 @@ def test_sampling_seed_top_k_and_stop(model_dir, prompts):
         assert long["finish_reason"] == "length" and len(long["token_ids"]) == 5
 
 
+SEEDED_QUESTIONS = QUESTIONS + [
+    "Tell me a story.",
+    "Describe the moon to a child.",
+    "Name a famous painter and one of their works.",
+    "What should I cook tonight?",
+]
+
+
+@pytest.fixture(scope="module")
+def seeded_outputs(model_dir: str) -> tuple[list[list[int]], list[SamplingParams], list]:
+    """12 chat prompts, each with its own seed at temperature 1, and their tokens run alone."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False) for q in SEEDED_QUESTIONS]
+    params = [SamplingParams(temperature=1.0, max_tokens=24, seed=1000 + i)
+              for i in range(len(chats))]
+    with LLM(model_dir, overlap_scheduling=False) as llm:
+        alone = [llm.generate([c], [p], use_tqdm=False)[0]["token_ids"]
+                 for c, p in zip(chats, params)]
+    return chats, params, alone
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_seeded_requests_sample_the_same_tokens_in_any_batch(model_dir, seeded_outputs, overlap):
+    """Alone, then in a batch with greedy, unseeded, long and short neighbours, then in reverse
+    order: a seed fixes the tokens (kernels.sampling: the draw depends on the key alone)."""
+    chats, params, alone = seeded_outputs
+    neighbours = [list(range(1000, 1300)), [504, 3575], chats[0], chats[5]]  # long, short, equal
+    neighbour_params = [SamplingParams(temperature=0, max_tokens=40),
+                        SamplingParams(temperature=1.0, max_tokens=30),
+                        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20),
+                        SamplingParams(temperature=1.0, max_tokens=8, seed=5)]
+    with LLM(model_dir, overlap_scheduling=overlap) as llm:
+        mixed = llm.generate(neighbours[:2] + chats + neighbours[2:],
+                             neighbour_params[:2] + params + neighbour_params[2:], use_tqdm=False)
+        reverse = llm.generate(chats[::-1] + neighbours, params[::-1] + neighbour_params,
+                               use_tqdm=False)
+    assert [o["token_ids"] for o in mixed[2:14]] == alone
+    assert [o["token_ids"] for o in reverse[:12]] == alone[::-1]
+
+
+def test_seeded_requests_keep_their_tokens_across_preemption(model_dir, seeded_outputs):
+    chats, params, alone = seeded_outputs
+    # 12 sequences of ~60 tokens need ~48 blocks of 16: 16 blocks force preemption by recompute
+    with LLM(model_dir, max_model_len=192, num_kvcache_blocks=16) as llm:
+        outs = llm.generate(chats, params, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+    assert [o["token_ids"] for o in outs] == alone
+
+
 def test_text_prompts_and_trace(model_dir, caplog):
     with LLM(model_dir, trace=True) as llm:
         with caplog.at_level("INFO", logger="nanoserve"):

@@ -1,14 +1,14 @@
-"""The sampler alone: greedy rows, the inverse-CDF draw from softmax(logits / T), top-k and top-p
-masks. On a GPU the draw is the Triton kernels (the `gpu` tests), on the CPU their torch reference.
-Chunks are cut to 16 logits here, so small vocabularies span several chunks."""
+"""The sampler alone: greedy rows, the Gumbel race's draw from softmax(logits / T), top-k and top-p
+masks, and keys that decide a row's draw whatever the other rows. On a GPU the draw is the Triton
+kernel (the `gpu` tests), on the CPU its torch reference. Programs race 16 logits here, so small
+vocabularies span several of them."""
 import pytest
 import torch
 
-from nanoserve import kernels
 from nanoserve.kernels import sampling
 from nanoserve.layers import Sampler
 
-SAMPLE_CHUNK = 16
+SAMPLE_CHUNK = 16  # 4 parts of SAMPLE_QUARTER
 
 ROWS = 20000
 LOGITS = torch.tensor([0.0, 1.0, 2.0, -1.0])
@@ -16,7 +16,7 @@ LOGITS = torch.tensor([0.0, 1.0, 2.0, -1.0])
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(sampling, "SAMPLE_CHUNK", SAMPLE_CHUNK)
+    monkeypatch.setattr(sampling, "SAMPLE_QUARTER", SAMPLE_CHUNK // 4)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -29,8 +29,8 @@ def frequencies(logits: torch.Tensor, temperature: float, device: str = "cpu", r
     torch.manual_seed(0)
     temps = torch.full((rows,), temperature, device=device)
     masks = {k: torch.full((rows,), v, device=device) for k, v in masks.items()}
-    uniforms = torch.rand(rows, device=device)
-    out = Sampler()(logits.repeat(rows, 1).to(device), temps, uniforms, **masks)
+    keys = torch.randint(0, 2**62, (rows,), device=device)
+    out = Sampler()(logits.repeat(rows, 1).to(device), temps, keys, **masks)
     return (torch.bincount(out, minlength=len(logits)) / rows).cpu()
 
 
@@ -53,11 +53,23 @@ def test_draws_match_softmax_across_chunks(device, vocab):
                                atol=0.008, rtol=0)
 
 
-def test_uniform_at_either_end_picks_a_possible_token():
-    logits = torch.full((1, 2 * SAMPLE_CHUNK + 5), float("-inf"))
-    logits[0, [3, SAMPLE_CHUNK + 9]] = torch.tensor([0.0, 1.0])  # every other token: probability 0
-    for u, token in ((0.0, 3), (0.5, SAMPLE_CHUNK + 9), (1 - 2 ** -24, SAMPLE_CHUNK + 9)):
-        assert kernels.sample_ref(logits, torch.ones(1), torch.tensor([u])).item() == token
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_key_draws_the_same_token_in_any_batch(device):
+    """A row's draw depends on its logits, temperature and key only: not on the other rows, nor
+    on its place in the batch, nor on last-bit changes of the logits away from near-ties."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 3 * SAMPLE_CHUNK + 5, generator=gen) * 2).to(device)
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 2.0, 1.0], device=device)
+    keys = torch.randint(0, 2**62, (8,), generator=gen).to(device)
+    alone = torch.cat([Sampler()(logits[i:i + 1], temps[i:i + 1], keys[i:i + 1])
+                       for i in range(8)])
+    order = torch.randperm(8, generator=gen).to(device)
+    shuffled = Sampler()(logits[order], temps[order], keys[order])
+    assert torch.equal(shuffled, alone[order])
+    nudged = logits * (1 + 1e-6 * torch.randn(logits.shape, generator=gen).to(device))
+    assert torch.equal(Sampler()(nudged, temps, keys), alone)
+    other_keys = Sampler()(logits.repeat(8, 1), temps.repeat(8), torch.arange(64, device=device))
+    assert len(set(other_keys.tolist())) > 8  # other keys: other draws
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -81,10 +93,10 @@ def test_greedy_rows_are_the_argmax(device):
     logits = torch.randn(8, 3 * SAMPLE_CHUNK + 1, device=device)
     logits[0, 2 * SAMPLE_CHUNK + 4] = logits[0, 5] = 10.0  # a tie: the first index wins, as argmax
     temps = torch.tensor([0.0, 1.0] * 4, device=device)
-    uniforms = torch.rand(8, device=device)
+    keys = torch.randint(0, 2**62, (8,), device=device)
     for masks in ({}, {"top_ks": torch.full((8,), 3, device=device)},
                   {"top_ps": torch.full((8,), 0.9, device=device)}):
-        out = Sampler()(logits, temps, uniforms, **masks)
+        out = Sampler()(logits, temps, keys, **masks)
         assert out[::2].tolist() == logits.argmax(-1)[::2].tolist()
     # every row greedy: no draw at all
     assert Sampler()(logits, None).tolist() == logits.argmax(-1).tolist()

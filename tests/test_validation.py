@@ -27,6 +27,15 @@ from nanoserve.config import Config
     (dict(max_tokens=-3), "max_tokens"),
     (dict(seed=-1), "seed"),
     (dict(seed=1.5), "seed"),
+    (dict(seed=True), "seed"),
+    (dict(max_tokens=4.5), "max_tokens must be an integer"),
+    (dict(max_tokens=True), "max_tokens must be an integer"),
+    (dict(top_k=2.0), "top_k must be an integer"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids must be a list of integer"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(temperature="1"), "temperature must be a real number"),
+    (dict(top_p=None), "top_p must be a real number"),
 ])
 def test_sampling_params_rejects(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -175,6 +184,9 @@ MORE_BAD_REQUESTS = {
     "a float token id": ([[1, 2.0]], GREEDY, "integers, got ['float', 'int']"),
     "a bool token id": ([[1, True]], GREEDY, "integers, got ['bool', 'int']"),
     "bad prompt last of three": ([PROBE, PROBE, []], GREEDY, "empty"),
+    "prompts None": (None, GREEDY, "prompts must be a list"),
+    "a prompt None": ([PROBE, None], GREEDY, "a prompt must be a string or a list"),
+    "prompts a number": (3, GREEDY, "prompts must be a list"),
 }
 
 

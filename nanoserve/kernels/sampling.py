@@ -1,11 +1,12 @@
-"""Sampling by inverting the CDF, in two kernels so that none scans a whole row in order.
+"""Sampling as a race: each row's token is argmax(logits / T + Gumbel noise), where the noise of
+token v comes from Philox keyed by the row's key and counted by v; T = 0 rows race without noise.
 
-One uniform u per row, and the token where the row's cumulative softmax probability first exceeds
-u; the argmax where the temperature is 0. Per chunk of SAMPLE_CHUNK logits: its max, where it is,
-and its softmax mass (a (rows, chunks) grid that reads the logits once); then per row, the chunk
-where the cumulative mass passes u, and the token inside it. Owns the draw only: layers.Sampler
-masks top-k / top-p and draws the uniforms. Invariant: no host sync, one random number per row.
-sample_ref is the definition, the CPU path and the test oracle.
+argmax(log p + G), G = -log(-log U) with U uniform, is an exact draw from p (the Gumbel-max trick).
+Inverse-CDF sampling compares one uniform with a cumulative sum over the vocabulary, whose rounding
+errors add up differently in every batch; the race only changes its winner where two candidates
+are within rounding of each other, as greedy does. Philox is counter-based: the noise is computed
+where it is read, never stored. Owns the race kernel and sample_ref, its plain-torch twin (same
+Philox, same noise). Invariant: no host sync. Called by layers.Sampler.
 """
 
 import torch
@@ -15,91 +16,99 @@ from torch import Tensor
 
 from nanoserve.kernels.common import use_triton
 
-SAMPLE_CHUNK = 2048  # logits per chunk: 75 chunks for Qwen's 151,936 tokens
-# below any real logit, yet finite: a chunk of only -inf gets a max, and exp(x - max) no NaN
-FINITE_MIN = tl.constexpr(-3.0e38)  # a constexpr: the kernels read it
+SAMPLE_QUARTER = 1024  # a program races 4 x this many tokens: one Philox call serves four
+PHILOX_ROUNDS = 10  # as tl.randint4x
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox 4x32's multipliers
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85  # and its key increments
+UINT32 = 0xFFFFFFFF
+UNIFORM_SCALE = 4.6566127342e-10  # 2**-31: a 31-bit integer to a float in [0, 1), as tl.rand
+KERNEL_UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)  # (kernels read only constexpr globals)
+KERNEL_INT32_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _chunk_stats_kernel(logits_ptr, temperatures_ptr, top_ptr, top_index_ptr, mass_ptr, vocab,
-                        row_stride, num_chunks, CHUNK: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    t = tl.load(temperatures_ptr + row)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,) token ids
-    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + offs, mask=offs < vocab,
-                other=float("-inf"))
-    x = x.to(tl.float32) / tl.where(t > 0, t, 1.0)  # greedy rows (T = 0) keep their logits: argmax
-    top = tl.maximum(tl.max(x, axis=0), FINITE_MIN)  # a chunk of only -inf: mass 0, not NaN
-    stats = row * num_chunks + chunk
-    tl.store(top_ptr + stats, top)
-    # the first max, as torch's argmax
-    tl.store(top_index_ptr + stats, chunk * CHUNK + tl.argmax(x, axis=0))
-    tl.store(mass_ptr + stats, tl.sum(tl.exp(x - top), axis=0))
+def _race_part(row_ptr, tokens, vocab, bits, t, best, best_token):
+    """Score tokens (Q,) with their random bits; keep the better of them and (best, best_token)."""
+    x = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+    x_int = bits.to(tl.int32, bitcast=True)
+    u = tl.where(x_int < 0, -x_int - 1, x_int).to(tl.float32) * KERNEL_UNIFORM_SCALE  # [0, 1)
+    score = tl.where(t > 0, x / tl.where(t > 0, t, 1.0) - tl.log(-tl.log(u)), x)
+    better = score > best  # a tie keeps the earlier part, whose token is smaller
+    return tl.where(better, score, best), tl.where(better, tokens, best_token)
 
 
 @triton.jit
-def _first_above(cumulative, target, weights, index):
-    """The first index whose cumulative weight exceeds target, never one of weight 0 (rounding can
-    put target at or past the total: then the last index of positive weight)."""
-    first = tl.sum((cumulative <= target).to(tl.int32), axis=0)
-    return tl.minimum(first, tl.max(tl.where(weights > 0, index, 0), axis=0))
+def _race_kernel(logits_ptr, temperatures_ptr, keys_ptr, best_ptr, best_token_ptr, vocab,
+                 row_stride, num_chunks, QUARTER: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)  # program: 4 Q tokens of one row
+    t, key = tl.load(temperatures_ptr + row), tl.load(keys_ptr + row)
+    offs = tl.arange(0, QUARTER)
+    # token chunk * 4Q + part * Q + i takes the part-th number of Philox(key, chunk * Q + i)
+    r0, r1, r2, r3 = tl.randint4x(key, chunk * QUARTER + offs)  # (Q,) each
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    first = chunk * 4 * QUARTER + offs
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_token = first
+    best, best_token = _race_part(row_ptr, first, vocab, r0, t, best, best_token)
+    best, best_token = _race_part(row_ptr, first + QUARTER, vocab, r1, t, best, best_token)
+    best, best_token = _race_part(row_ptr, first + 2 * QUARTER, vocab, r2, t, best, best_token)
+    best, best_token = _race_part(row_ptr, first + 3 * QUARTER, vocab, r3, t, best, best_token)
+    top = tl.max(best, axis=0)
+    # ties go to the smallest token id, as torch.argmax (greedy rows tie in low precision)
+    winner = tl.min(tl.where(best == top, best_token, KERNEL_INT32_MAX), axis=0)
+    tl.store(best_ptr + row * num_chunks + chunk, top)
+    tl.store(best_token_ptr + row * num_chunks + chunk, winner)
 
 
-@triton.jit
-def _pick_token_kernel(logits_ptr, temperatures_ptr, uniforms_ptr, top_ptr, top_index_ptr, mass_ptr,
-                       tokens_ptr, vocab, row_stride, num_chunks, CHUNKS_PAD: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    row = tl.program_id(0)
-    t = tl.load(temperatures_ptr + row)
-    chunks = tl.arange(0, CHUNKS_PAD)
-    stats = row * num_chunks + chunks
-    top = tl.load(top_ptr + stats, mask=chunks < num_chunks, other=FINITE_MIN)  # (CHUNKS_PAD,)
-    mass = tl.load(mass_ptr + stats, mask=chunks < num_chunks, other=0.0)
-    best = tl.argmax(top, axis=0)  # the chunk of the row's max
-    row_max = tl.max(top, axis=0)
-    weights = mass * tl.exp(top - row_max)  # (CHUNKS_PAD,) each chunk's mass, relative to row_max
-    cumulative = tl.cumsum(weights, axis=0)
-    target = tl.load(uniforms_ptr + row) * tl.max(cumulative, axis=0)
-    chunk = _first_above(cumulative, target, weights, chunks)
-    chunk_top = tl.sum(tl.where(chunks == chunk, top, 0.0), axis=0)
-    # what is left of the target inside the chunk
-    target -= tl.sum(tl.where(chunks == chunk, cumulative - weights, 0.0), axis=0)
-    offs = tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + chunk * CHUNK + offs,
-                mask=chunk * CHUNK + offs < vocab, other=float("-inf"))
-    # (CHUNK,) probabilities relative to the chunk max
-    inside = tl.exp(x.to(tl.float32) / tl.where(t > 0, t, 1.0) - chunk_top)
-    target /= tl.exp(chunk_top - row_max)  # in the units of `inside`
-    token = chunk * CHUNK + _first_above(tl.cumsum(inside, axis=0), target, inside, offs)
-    greedy = tl.load(top_index_ptr + row * num_chunks + best)
-    tl.store(tokens_ptr + row, tl.where(t > 0, token, greedy))
-
-
-def sample(logits: Tensor, temperatures: Tensor, uniforms: Tensor) -> Tensor:
-    """One draw per row of logits (S, V) from softmax(logits / T), the argmax (first one) where
-    T = 0: the token where the cumulative probability first exceeds uniforms (S,) float32 in [0, 1).
-    temperatures (S,) float32. One random number per row, none per logit, no host sync. Returns
-    (S,) int64."""
+def sample(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
+    """One token per row of logits (S, V): a draw from softmax(logits / T) decided by the row's
+    key (S,) int64 alone, the argmax where T = 0. temperatures (S,) float32. Returns (S,) int64."""
     if not use_triton(logits):
-        return sample_ref(logits, temperatures, uniforms)
-    (S, V), K = logits.shape, SAMPLE_CHUNK
-    assert logits.stride(1) == 1 and temperatures.shape == uniforms.shape == (S,)
-    C = triton.cdiv(V, K)
-    stats = [torch.empty(S, C, dtype=dtype, device=logits.device)  # (S, C) each
-             for dtype in (torch.float32, torch.int64, torch.float32)]  # top, top_index, mass
-    out = torch.empty(S, dtype=torch.int64, device=logits.device)
-    _chunk_stats_kernel[(S, C)](logits, temperatures, *stats, V, logits.stride(0), C, CHUNK=K)
-    _pick_token_kernel[(S,)](logits, temperatures, uniforms, *stats, out, V, logits.stride(0), C,
-                             CHUNKS_PAD=triton.next_power_of_2(C), CHUNK=K)
-    return out
+        return sample_ref(logits, temperatures, keys)
+    (S, V), Q = logits.shape, SAMPLE_QUARTER
+    assert logits.stride(1) == 1 and temperatures.shape == keys.shape == (S,)
+    C = triton.cdiv(V, 4 * Q)
+    best = torch.empty(S, C, dtype=torch.float32, device=logits.device)  # (S, C)
+    best_token = torch.empty(S, C, dtype=torch.int32, device=logits.device)
+    _race_kernel[(S, C)](logits, temperatures, keys, best, best_token, V, logits.stride(0), C,
+                         QUARTER=Q)
+    # the first chunk holding the row's best score: chunks run in token order
+    return best_token.gather(1, best.argmax(-1, keepdim=True)).squeeze(1).long()
 
 
-def sample_ref(logits: Tensor, temperatures: Tensor, uniforms: Tensor) -> Tensor:
-    """sample() by its definition (CPU path and test oracle): the whole row's CDF, no chunks."""
+def _umulhi(a: int, b: Tensor) -> Tensor:
+    """The high 32 bits of a * b for 32-bit a and b (int64 tensor), without int64 overflow."""
+    return (a * (b >> 16) + ((a * (b & 0xFFFF)) >> 16)) >> 16
+
+
+def philox4x32(keys: Tensor, counters: Tensor) -> list[Tensor]:
+    """Philox 4x32-10 as Triton's tl.randint4x(key, counter): keys (S,) int64, counters (Q,)
+    int64 -> four (S, Q) tensors of 32-bit values (held in int64)."""
+    c0 = (counters & UINT32).expand(len(keys), -1)  # (S, Q)
+    c1 = (counters >> 32).expand(len(keys), -1)
+    c2 = c3 = torch.zeros_like(c0)
+    k0, k1 = (keys & UINT32).unsqueeze(1), ((keys >> 32) & UINT32).unsqueeze(1)  # (S, 1)
+    for _ in range(PHILOX_ROUNDS):
+        c0, c1, c2, c3 = (_umulhi(PHILOX_ROUND_B, c2) ^ c1 ^ k0, (PHILOX_ROUND_B * c2) & UINT32,
+                          _umulhi(PHILOX_ROUND_A, c0) ^ c3 ^ k1, (PHILOX_ROUND_A * c0) & UINT32)
+        k0, k1 = (k0 + PHILOX_KEY_A) & UINT32, (k1 + PHILOX_KEY_B) & UINT32
+    return [c0, c1, c2, c3]
+
+
+def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
+    """(S, vocab) float32: the Gumbel noise the race kernel gives each token of each row."""
+    Q = SAMPLE_QUARTER
+    C = triton.cdiv(vocab, 4 * Q)
+    counters = torch.arange(C * Q, device=keys.device).view(C, Q)  # (C, Q)
+    parts = philox4x32(keys, counters.flatten())  # 4 x (S, C Q)
+    bits = torch.stack([p.view(-1, C, Q) for p in parts], 2).flatten(1)[:, :vocab]  # (S, V)
+    signed = torch.where(bits >= 2**31, bits - 2**32, bits)  # the bits as an int32
+    u = torch.where(signed < 0, -signed - 1, signed).float() * UNIFORM_SCALE
+    return -torch.log(-torch.log(u))
+
+
+def sample_ref(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
+    """sample() by its definition (CPU path and test oracle): the whole noise tensor at once."""
     x = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # (S, V)
-    p = (x - x.amax(-1, keepdim=True)).exp()  # (S, V) unnormalized: the target scales by the total
-    cdf = p.cumsum(-1)
-    token = (cdf <= (uniforms * cdf[:, -1]).unsqueeze(1)).sum(-1)  # the first token whose CDF > u
-    # the last token of probability > 0: rounding can put u * total at or past the total
-    last_possible = torch.where(p > 0, torch.arange(p.shape[1], device=p.device), 0).amax(-1)
-    return torch.where(temperatures > 0, torch.minimum(token, last_possible), x.argmax(-1))  # (S,)
+    race = x + gumbel_noise(keys, logits.shape[1])
+    return torch.where(temperatures > 0, race.argmax(-1), logits.float().argmax(-1))  # (S,)
