@@ -1,14 +1,14 @@
 """The sampler alone: greedy rows, the Gumbel race's draw from softmax(logits / T), top-k and top-p
 masks, and keys that decide a row's draw whatever the other rows. On a GPU the draw is the Triton
-kernel (the `gpu` tests), on the CPU its torch reference. Programs race 16 logits here, so small
-vocabularies span several of them."""
+kernels (the `gpu` tests), on the CPU their torch reference. Chunks are cut to 16 logits here, so
+small vocabularies span several chunks."""
 import pytest
 import torch
 
 from nanoserve.kernels import sampling
 from nanoserve.layers import Sampler
 
-SAMPLE_CHUNK = 16  # 4 parts of SAMPLE_QUARTER
+SAMPLE_CHUNK = 16
 
 ROWS = 20000
 LOGITS = torch.tensor([0.0, 1.0, 2.0, -1.0])
@@ -16,7 +16,7 @@ LOGITS = torch.tensor([0.0, 1.0, 2.0, -1.0])
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(sampling, "SAMPLE_QUARTER", SAMPLE_CHUNK // 4)
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK", SAMPLE_CHUNK)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -1,12 +1,15 @@
-"""Sampling as a race: each row's token is argmax(logits / T + Gumbel noise), where the noise of
-token v comes from Philox keyed by the row's key and counted by v; T = 0 rows race without noise.
+"""Sampling as a race, in two levels: a row's token is argmax(logits / T + Gumbel noise), the noise
+drawn by Philox from the row's key; T = 0 rows take the argmax.
 
 argmax(log p + G), G = -log(-log U) with U uniform, is an exact draw from p (the Gumbel-max trick).
 Inverse-CDF sampling compares one uniform with a cumulative sum over the vocabulary, whose rounding
-errors add up differently in every batch; the race only changes its winner where two candidates
-are within rounding of each other, as greedy does. Philox is counter-based: the noise is computed
-where it is read, never stored. Owns the race kernel and sample_ref, its plain-torch twin (same
-Philox, same noise). Invariant: no host sync. Called by layers.Sampler.
+adds up differently in every batch; a race only changes its winner where two candidates are within
+rounding of each other, as greedy does. The race runs in two levels, both exact: chunks of
+SAMPLE_CHUNK logits race with their log-sum-exp (the best score inside a chunk is Gumbel-distributed
+around it), then the tokens of the winning chunk race. So a row needs noise for its chunks and one
+chunk's tokens, not for the whole vocabulary. Philox is counter-based: noise is computed where it
+is read, never stored. Owns the kernels and sample_ref, their plain-torch twin (same Philox, same
+noise). Invariant: no host sync. Called by layers.Sampler.
 """
 
 import torch
@@ -16,64 +19,98 @@ from torch import Tensor
 
 from nanoserve.kernels.common import use_triton
 
-SAMPLE_QUARTER = 1024  # a program races 4 x this many tokens: one Philox call serves four
+SAMPLE_CHUNK = 2048  # logits per chunk: 75 chunks for Qwen's 151,936 tokens
 PHILOX_ROUNDS = 10  # as tl.randint4x
 PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox 4x32's multipliers
 PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85  # and its key increments
+TOKEN_STREAM = 1 << 32  # Philox counters of the token race start here; the chunk race's at 0
 UINT32 = 0xFFFFFFFF
 UNIFORM_SCALE = 4.6566127342e-10  # 2**-31: a 31-bit integer to a float in [0, 1), as tl.rand
 KERNEL_UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)  # (kernels read only constexpr globals)
-KERNEL_INT32_MAX = tl.constexpr(2**31 - 1)
+KERNEL_TOKEN_STREAM = tl.constexpr(TOKEN_STREAM)
+# below any real logit, yet finite: a chunk of only -inf gets a max, and exp(x - max) no NaN
+FINITE_MIN = tl.constexpr(-3.0e38)
+
+
+@triton.jit
+def _gumbel(bits):
+    """Gumbel noise -log(-log U) of random bits (int32), U in [0, 1) as tl.rand makes it."""
+    x = bits.to(tl.int32, bitcast=True)
+    u = tl.where(x < 0, -x - 1, x).to(tl.float32) * KERNEL_UNIFORM_SCALE
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _chunk_stats_kernel(logits_ptr, temperatures_ptr, top_ptr, top_index_ptr, lse_ptr, vocab,
+                        row_stride, num_chunks, CHUNK: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)  # (rows, chunks): the logits read once
+    t = tl.load(temperatures_ptr + row)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,) token ids
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + offs, mask=offs < vocab,
+                other=float("-inf"))
+    x = x.to(tl.float32) / tl.where(t > 0, t, 1.0)  # greedy rows (T = 0) keep their logits
+    top = tl.maximum(tl.max(x, axis=0), FINITE_MIN)
+    stats = row * num_chunks + chunk
+    tl.store(top_ptr + stats, top)
+    tl.store(top_index_ptr + stats, chunk * CHUNK + tl.argmax(x, axis=0))  # first max, as torch
+    tl.store(lse_ptr + stats, top + tl.log(tl.sum(tl.exp(x - top), axis=0)))  # -inf: all masked
 
 
 @triton.jit
 def _race_part(row_ptr, tokens, vocab, bits, t, best, best_token):
-    """Score tokens (Q,) with their random bits; keep the better of them and (best, best_token)."""
+    """Score tokens (Q,) with their noise; keep the better of them and (best, best_token)."""
     x = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
-    x_int = bits.to(tl.int32, bitcast=True)
-    u = tl.where(x_int < 0, -x_int - 1, x_int).to(tl.float32) * KERNEL_UNIFORM_SCALE  # [0, 1)
-    score = tl.where(t > 0, x / tl.where(t > 0, t, 1.0) - tl.log(-tl.log(u)), x)
+    score = x / t + _gumbel(bits)
     better = score > best  # a tie keeps the earlier part, whose token is smaller
     return tl.where(better, score, best), tl.where(better, tokens, best_token)
 
 
 @triton.jit
-def _race_kernel(logits_ptr, temperatures_ptr, keys_ptr, best_ptr, best_token_ptr, vocab,
-                 row_stride, num_chunks, QUARTER: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)  # program: 4 Q tokens of one row
+def _pick_token_kernel(logits_ptr, temperatures_ptr, keys_ptr, top_ptr, top_index_ptr, lse_ptr,
+                       tokens_ptr, vocab, row_stride, num_chunks, CHUNKS_PAD: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    row = tl.program_id(0)
     t, key = tl.load(temperatures_ptr + row), tl.load(keys_ptr + row)
-    offs = tl.arange(0, QUARTER)
-    # token chunk * 4Q + part * Q + i takes the part-th number of Philox(key, chunk * Q + i)
-    r0, r1, r2, r3 = tl.randint4x(key, chunk * QUARTER + offs)  # (Q,) each
+    chunks = tl.arange(0, CHUNKS_PAD)
+    stats = row * num_chunks + chunks
+    top = tl.load(top_ptr + stats, mask=chunks < num_chunks, other=FINITE_MIN)  # (CHUNKS_PAD,)
+    greedy = tl.load(top_index_ptr + row * num_chunks + tl.argmax(top, axis=0))
+    lse = tl.load(lse_ptr + stats, mask=chunks < num_chunks, other=float("-inf"))
+    chunk = tl.argmax(lse + _gumbel(tl.randint(key, chunks)), axis=0)  # the chunk race
+    # the token race inside it: token chunk * CHUNK + part * Q + i takes the part-th number of
+    # Philox(key, TOKEN_STREAM + chunk * Q + i), so one call serves four tokens
+    Q: tl.constexpr = CHUNK // 4
+    offs = tl.arange(0, Q)
+    r0, r1, r2, r3 = tl.randint4x(key, offs.to(tl.int64) + chunk * Q + KERNEL_TOKEN_STREAM)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    first = chunk * 4 * QUARTER + offs
-    best = tl.full([QUARTER], float("-inf"), tl.float32)
-    best_token = first
-    best, best_token = _race_part(row_ptr, first, vocab, r0, t, best, best_token)
-    best, best_token = _race_part(row_ptr, first + QUARTER, vocab, r1, t, best, best_token)
-    best, best_token = _race_part(row_ptr, first + 2 * QUARTER, vocab, r2, t, best, best_token)
-    best, best_token = _race_part(row_ptr, first + 3 * QUARTER, vocab, r3, t, best, best_token)
-    top = tl.max(best, axis=0)
-    # ties go to the smallest token id, as torch.argmax (greedy rows tie in low precision)
-    winner = tl.min(tl.where(best == top, best_token, KERNEL_INT32_MAX), axis=0)
-    tl.store(best_ptr + row * num_chunks + chunk, top)
-    tl.store(best_token_ptr + row * num_chunks + chunk, winner)
+    first = chunk * CHUNK + offs
+    best, best_token = tl.full([Q], float("-inf"), tl.float32), first
+    t_safe = tl.where(t > 0, t, 1.0)
+    best, best_token = _race_part(row_ptr, first, vocab, r0, t_safe, best, best_token)
+    best, best_token = _race_part(row_ptr, first + Q, vocab, r1, t_safe, best, best_token)
+    best, best_token = _race_part(row_ptr, first + 2 * Q, vocab, r2, t_safe, best, best_token)
+    best, best_token = _race_part(row_ptr, first + 3 * Q, vocab, r3, t_safe, best, best_token)
+    winner = tl.min(tl.where(best == tl.max(best, axis=0), best_token, vocab), axis=0)
+    tl.store(tokens_ptr + row, tl.where(t > 0, winner, greedy))
 
 
 def sample(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
     """One token per row of logits (S, V): a draw from softmax(logits / T) decided by the row's
-    key (S,) int64 alone, the argmax where T = 0. temperatures (S,) float32. Returns (S,) int64."""
+    key (S,) int64 alone, the (first) argmax where T = 0. temperatures (S,) float32.
+    Returns (S,) int64."""
     if not use_triton(logits):
         return sample_ref(logits, temperatures, keys)
-    (S, V), Q = logits.shape, SAMPLE_QUARTER
+    (S, V), K = logits.shape, SAMPLE_CHUNK
     assert logits.stride(1) == 1 and temperatures.shape == keys.shape == (S,)
-    C = triton.cdiv(V, 4 * Q)
-    best = torch.empty(S, C, dtype=torch.float32, device=logits.device)  # (S, C)
-    best_token = torch.empty(S, C, dtype=torch.int32, device=logits.device)
-    _race_kernel[(S, C)](logits, temperatures, keys, best, best_token, V, logits.stride(0), C,
-                         QUARTER=Q)
-    # the first chunk holding the row's best score: chunks run in token order
-    return best_token.gather(1, best.argmax(-1, keepdim=True)).squeeze(1).long()
+    C = triton.cdiv(V, K)
+    top, lse = (torch.empty(S, C, dtype=torch.float32, device=logits.device) for _ in range(2))
+    top_index = torch.empty(S, C, dtype=torch.int64, device=logits.device)  # (S, C)
+    out = torch.empty(S, dtype=torch.int64, device=logits.device)
+    _chunk_stats_kernel[(S, C)](logits, temperatures, top, top_index, lse, V, logits.stride(0), C,
+                                CHUNK=K)
+    _pick_token_kernel[(S,)](logits, temperatures, keys, top, top_index, lse, out, V,
+                             logits.stride(0), C, CHUNKS_PAD=triton.next_power_of_2(C), CHUNK=K)
+    return out
 
 
 def _umulhi(a: int, b: Tensor) -> Tensor:
@@ -82,10 +119,9 @@ def _umulhi(a: int, b: Tensor) -> Tensor:
 
 
 def philox4x32(keys: Tensor, counters: Tensor) -> list[Tensor]:
-    """Philox 4x32-10 as Triton's tl.randint4x(key, counter): keys (S,) int64, counters (Q,)
+    """Philox 4x32-10 as Triton's tl.randint4x(key, counter): keys (S,) int64, counters (S, Q)
     int64 -> four (S, Q) tensors of 32-bit values (held in int64)."""
-    c0 = (counters & UINT32).expand(len(keys), -1)  # (S, Q)
-    c1 = (counters >> 32).expand(len(keys), -1)
+    c0, c1 = counters & UINT32, counters >> 32
     c2 = c3 = torch.zeros_like(c0)
     k0, k1 = (keys & UINT32).unsqueeze(1), ((keys >> 32) & UINT32).unsqueeze(1)  # (S, 1)
     for _ in range(PHILOX_ROUNDS):
@@ -95,20 +131,29 @@ def philox4x32(keys: Tensor, counters: Tensor) -> list[Tensor]:
     return [c0, c1, c2, c3]
 
 
-def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
-    """(S, vocab) float32: the Gumbel noise the race kernel gives each token of each row."""
-    Q = SAMPLE_QUARTER
-    C = triton.cdiv(vocab, 4 * Q)
-    counters = torch.arange(C * Q, device=keys.device).view(C, Q)  # (C, Q)
-    parts = philox4x32(keys, counters.flatten())  # 4 x (S, C Q)
-    bits = torch.stack([p.view(-1, C, Q) for p in parts], 2).flatten(1)[:, :vocab]  # (S, V)
+def gumbel_ref(bits: Tensor) -> Tensor:
+    """Gumbel noise of 32-bit values, as the kernels make it (_gumbel)."""
     signed = torch.where(bits >= 2**31, bits - 2**32, bits)  # the bits as an int32
-    u = torch.where(signed < 0, -signed - 1, signed).float() * UNIFORM_SCALE
+    u = torch.where(signed < 0, -signed - 1, signed).float() * UNIFORM_SCALE  # [0, 1)
     return -torch.log(-torch.log(u))
 
 
+def race_noise(keys: Tensor, chunks: Tensor) -> Tensor:
+    """(S, CHUNK) noise of each row's tokens in its chunk (S,), in token order (see the kernel)."""
+    Q = SAMPLE_CHUNK // 4
+    counters = TOKEN_STREAM + chunks.unsqueeze(1) * Q + torch.arange(Q, device=keys.device)
+    return gumbel_ref(torch.cat(philox4x32(keys, counters), 1))  # (S, 4 Q): part-major
+
+
 def sample_ref(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
-    """sample() by its definition (CPU path and test oracle): the whole noise tensor at once."""
+    """sample() in plain torch (CPU path and test oracle): the same two races, the same noise."""
+    (S, V), K = logits.shape, SAMPLE_CHUNK
+    C = triton.cdiv(V, K)
     x = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # (S, V)
-    race = x + gumbel_noise(keys, logits.shape[1])
-    return torch.where(temperatures > 0, race.argmax(-1), logits.float().argmax(-1))  # (S,)
+    padded = torch.cat([x, x.new_full((S, C * K - V), float("-inf"))], 1).view(S, C, K)
+    lse = padded.logsumexp(-1)  # (S, C)
+    chunk_counters = torch.arange(C, device=keys.device).expand(S, -1)
+    chunk = (lse + gumbel_ref(philox4x32(keys, chunk_counters)[0])).argmax(-1)  # (S,)
+    inside = padded.gather(1, chunk.view(S, 1, 1).expand(-1, 1, K)).squeeze(1)  # (S, K)
+    token = chunk * K + (inside + race_noise(keys, chunk)).argmax(-1)
+    return torch.where(temperatures > 0, token, x.argmax(-1))  # (S,)
