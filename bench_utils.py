@@ -7,6 +7,7 @@ Called by bench.py and the tools that reuse its model (tools/profile_steps.py, b
 """
 import contextlib
 import gc
+import os
 import platform
 import shutil
 import subprocess
@@ -41,7 +42,10 @@ def free_memory() -> None:
 
 # ----------------------------------------------------------------------------- the machine
 def git_commit() -> str | None:
-    """`git describe --always --dirty`: "-dirty" says the figures are not quite that commit's."""
+    """`git describe --always --dirty`: "-dirty" says the figures are not quite that commit's.
+    NANOSERVE_COMMIT names it instead where the tree travels without its git metadata."""
+    if os.environ.get("NANOSERVE_COMMIT"):
+        return os.environ["NANOSERVE_COMMIT"]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                               text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
