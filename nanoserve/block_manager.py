@@ -117,7 +117,7 @@ class BlockManager:
                 self.free_block_ids[block.block_id] = None
                 self.stats["freed"] += 1
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0  # num_cached_tokens: for the output
 
     # ---- decode: one more slot -------------------------------------------------------------------
     def num_missing_blocks(self, seq: Sequence, num_extra_tokens: int = 0) -> int:

@@ -34,12 +34,9 @@ def check_fields(obj: object, checks: tuple[Check, ...]) -> None:
             raise ValueError(f"{name} must be {must_be}, got {value!r}")
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_a(x: object, types: type | tuple[type, ...]) -> bool:
+    """isinstance, but a bool is no number here (True is an int to Python)."""
+    return isinstance(x, types) and not isinstance(x, bool)
 
 
 # the checks of Config's fields that hold on any machine (the GPU and the checkpoint add more)
@@ -90,8 +87,8 @@ class Config:
             raise ValueError("kvcache_block_size must be at least 16 on the GPU, got "
                              f"{self.kvcache_block_size}")
         self.torch_dtype = self._resolve_dtype()
-        max_pos = getattr(self.hf_config, "max_position_embeddings", self.max_model_len)
-        self.max_model_len = min(self.max_model_len, max_pos)
+        self.max_model_len = min(self.max_model_len, getattr(
+            self.hf_config, "max_position_embeddings", self.max_model_len))
         if self.num_kvcache_blocks is not None:
             self.check_kvcache_fits(self.num_kvcache_blocks)
         self._check_tensor_parallel()
@@ -113,8 +110,7 @@ class Config:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide "
                                  f"{name}={getattr(cfg, name)}; pick a divisor of both head counts")
         # on the CPU a rank is just a process (gloo), so only GPUs bound the size
-        num_gpus = torch.cuda.device_count()
-        if self.device == "cuda" and tp > num_gpus:
+        if self.device == "cuda" and tp > (num_gpus := torch.cuda.device_count()):
             raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_gpus} visible GPUs; "
                              "lower it or expose more GPUs (CUDA_VISIBLE_DEVICES)")
 
@@ -132,12 +128,12 @@ class Config:
 
 # `v >= 0` is also False for NaN; a str is iterable but is not a list of token ids
 SAMPLING_CHECKS: tuple[Check, ...] = (
-    ("temperature", lambda v: _is_real(v) and v >= 0, "a real number >= 0 (0 = greedy)"),
-    ("top_p", lambda v: _is_real(v) and 0 < v <= 1, "a real number in (0, 1] (1 = off)"),
-    ("top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
-    ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("seed", lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or None"),
-    ("stop_token_ids", lambda v: isinstance(v, (list, tuple)) and all(map(_is_int, v)),
+    ("temperature", lambda v: _is_a(v, (int, float)) and v >= 0, "a real number >= 0 (0 = greedy)"),
+    ("top_p", lambda v: _is_a(v, (int, float)) and 0 < v <= 1, "a real number in (0, 1] (1 = off)"),
+    ("top_k", lambda v: _is_a(v, int) and v >= 0, "an integer >= 0 (0 = off)"),
+    ("max_tokens", lambda v: _is_a(v, int) and v >= 1, "an integer >= 1"),
+    ("seed", lambda v: v is None or (_is_a(v, int) and v >= 0), "an integer >= 0 or None"),
+    ("stop_token_ids", lambda v: isinstance(v, (list, tuple)) and all(_is_a(t, int) for t in v),
      "a list of integer token ids"),
 )
 

@@ -42,7 +42,6 @@ class DecodeGraphs:
         """Capture a graph for every size up to max_batch (with cascade attention too where
         use_cascade(size) allows it); all share one memory pool."""
         self.model = model
-        hidden_size = model.model.embed_tokens.weight.shape[1]
         self.buffers = {  # static inputs and output that every graph reads and writes
             "input_ids": torch.zeros(max_batch, dtype=torch.int64),
             "positions": torch.zeros(max_batch, dtype=torch.int64),
@@ -50,11 +49,11 @@ class DecodeGraphs:
             "context_lens": torch.zeros(max_batch, dtype=torch.int32),
             "block_tables": torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32),
             "num_common_blocks": torch.zeros(1, dtype=torch.int32),
-            "hidden": torch.zeros(max_batch, hidden_size, dtype=dtype)}
+            "hidden": torch.zeros(max_batch, model.lm_head.weight.shape[1], dtype=dtype)}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade) -> graph
-        self.pool = None
+        self.pool = torch.cuda.graph_pool_handle()  # one memory pool that all graphs share
         for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):  # largest first:
-            for cascade in {False, use_cascade(bs)}:  # the smaller ones reuse its memory pool
+            for cascade in {False, use_cascade(bs)}:  # the smaller ones reuse its memory
                 self.graphs[bs, cascade] = self._capture(bs, cascade)
         for bs in {bs for bs, _ in self.graphs}:  # load the LM head's GEMM kernels now
             model.compute_logits(self.buffers["hidden"][:bs])
@@ -70,14 +69,12 @@ class DecodeGraphs:
             b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured
             with torch.cuda.graph(graph, self.pool):
                 b["hidden"][:] = self.model(b["input_ids"], b["positions"])
-        self.pool = self.pool or graph.pool()
         return graph
 
     def replay(self, inputs: "BatchInputs", input_ids: Tensor) -> Tensor:
         """Run the decode forward of inputs; returns (graph size, hidden), padded rows included."""
-        bs = len(inputs.positions)
+        bs, buf = len(inputs.positions), self.buffers
         graph_bs = graph_batch_size(bs)
-        buf = self.buffers
         buf["input_ids"][:bs].copy_(input_ids)
         for name in ("positions", "slot_mapping", "context_lens"):
             buf[name][:bs].copy_(pinned(getattr(inputs, name)), non_blocking=True)

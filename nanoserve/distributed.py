@@ -7,6 +7,7 @@ then runs the same forward pass and meets the others in the collectives (NCCL on
 CPUs). A worker that fails reports its traceback through a queue; rank 0 checks every step.
 Invariant: after Workers.shutdown() no process, shared-memory segment or semaphore is left.
 """
+import contextlib
 import gc
 import multiprocessing as mp
 import multiprocessing.connection
@@ -18,32 +19,22 @@ import traceback
 from datetime import timedelta
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Semaphore
-from typing import Any
-from uuid import uuid4
 
 import torch.distributed as dist
 
 from nanoserve.config import Config
 
 SHM_BYTES = 1 << 24  # shared-memory segment for rank 0's calls: 16 MiB of pickled arguments
-DIST_TIMEOUT_SECONDS = 120  # a collective waiting longer than this for a silent peer raises
+DIST_TIMEOUT = timedelta(seconds=120)  # a collective waiting longer for a silent peer raises
 WORKER_JOIN_SECONDS = 5  # how long shutdown waits for a worker before killing it
 WORKER_ERROR_WAIT_SECONDS = 0.5  # how long a failure waits for the workers' own error reports
 PEER_EXIT_WAIT_SECONDS = 5  # after a collective fails, how long to wait for a dying worker
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on, so every engine gets its own rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(config: Config, rank: int, port: int) -> None:
     backend = "nccl" if config.device == "cuda" else "gloo"  # same code either way
     dist.init_process_group(backend, world_size=config.tensor_parallel_size, rank=rank,
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=timedelta(seconds=DIST_TIMEOUT_SECONDS))
+                            init_method=f"tcp://127.0.0.1:{port}", timeout=DIST_TIMEOUT)
 
 
 class Workers:
@@ -54,18 +45,19 @@ class Workers:
             raise RuntimeError("this process already runs a tensor-parallel engine (one process "
                                "group per process): shut it down first, or use another process")
         ctx = mp.get_context("spawn")
-        self.port = free_port()
-        self.shm = SharedMemory(name=f"nanoserve-{uuid4().hex[:16]}", create=True, size=SHM_BYTES)
+        with socket.socket() as s:  # a TCP port nobody listens on: each engine's own rendezvous
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.shm = SharedMemory(f"nanoserve-{os.urandom(8).hex()}", create=True, size=SHM_BYTES)
         self.errors = ctx.Queue()
         self.wakeups = [ctx.Semaphore(0) for _ in range(1, config.tensor_parallel_size)]
         self.procs: list[mp.Process] = []
         for rank, wakeup in enumerate(self.wakeups, start=1):
             args = (config, rank, self.shm.name, wakeup, self.port, self.errors)
-            proc = ctx.Process(target=worker_main, args=args, daemon=True)
-            proc.start()
-            self.procs.append(proc)
+            self.procs.append(ctx.Process(target=worker_main, args=args, daemon=True))
+            self.procs[-1].start()
 
-    def call(self, method: str, *args: Any) -> None:
+    def call(self, method: str, *args: object) -> None:
         """Have every worker run ModelRunner.<method>(*args), as rank 0 does meanwhile: the call
         goes into shared memory as its length (4 bytes), then its pickle."""
         data = pickle.dumps((method, args))
@@ -79,18 +71,17 @@ class Workers:
         broken collective a peer is dying but may not be reaped yet, so wait for it."""
         if wait_seconds:
             exited = mp.connection.wait([p.sentinel for p in self.procs], timeout=wait_seconds)
-            for p in self.procs:
-                if p.sentinel in exited:
-                    p.join(WORKER_JOIN_SECONDS)  # the sentinel closes just before the exit
+            for p in [p for p in self.procs if p.sentinel in exited]:
+                p.join(WORKER_JOIN_SECONDS)  # the sentinel closes just before the exit
         dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
         if not dead:
             return
         lines = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}" for rank, p in dead]
-        while True:  # what the workers reported before exiting; a SIGKILLed one reports nothing
-            try:
+        # what the workers reported before exiting (a SIGKILLed one reports nothing): read
+        # until the queue stays empty
+        with contextlib.suppress(queue.Empty):
+            while True:
                 lines.append(self.errors.get(timeout=WORKER_ERROR_WAIT_SECONDS))
-            except queue.Empty:
-                break
         raise RuntimeError("a tensor-parallel worker failed; shut this engine down and start a "
                            "new one.\n" + "\n".join(lines))
 
@@ -98,9 +89,8 @@ class Workers:
         """Join (or kill) the workers, then free the segment and the semaphores."""
         for proc in self.procs:
             proc.join(WORKER_JOIN_SECONDS)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.kill()  # a no-op for one that exited (join reaped it)
+            proc.join()
             proc.close()  # a Process keeps its arguments, the semaphores among them
         self.errors.close()
         self.errors.join_thread()
@@ -120,8 +110,7 @@ def worker_main(config: Config, rank: int, shm_name: str, wakeup: Semaphore, por
     from nanoserve.model_runner import ModelRunner  # (model_runner imports this module)
     torch._inductor.config.compile_threads = 1
     try:
-        runner = ModelRunner(config, rank, port)
-        shm = SharedMemory(shm_name)
+        runner, shm = ModelRunner(config, rank, port), SharedMemory(shm_name)
         while True:
             wakeup.acquire()
             method, args = pickle.loads(shm.buf[4:4 + int.from_bytes(shm.buf[:4], "little")])

@@ -22,25 +22,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.kernels import (
-    gather_kv,
-    paged_decode,
-    prefill_attention,
-    rms_norm_ref,
-    rotary_and_store,
-    rotary_ref,
-    sample,
-    store_kvcache_ref,
-    use_triton,
-)
+from nanoserve import kernels
 
 TEMPERATURE_MIN = 1e-5  # top-k/top-p rows divide by the temperature: greedy rows (T = 0) by this
 
 
 def tp_rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """This process's rank and the tensor-parallel world size; (0, 1) when not distributed."""
+    distributed = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
 
 # ---- forward context -----------------------------------------------------------------------------
@@ -91,13 +81,13 @@ def gpu_compiled(fn: Callable) -> Callable:
     return dispatch
 
 
-rms_norm = gpu_compiled(rms_norm_ref)
+rms_norm = gpu_compiled(kernels.rms_norm_ref)
 
 
 @gpu_compiled
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     residual = x + residual
-    return rms_norm_ref(residual, weight, eps), residual
+    return kernels.rms_norm_ref(residual, weight, eps), residual
 
 
 class RMSNorm(nn.Module):
@@ -108,9 +98,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMS-normalize x; with a residual, first add it (fused add + norm); return the sum too."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return (rms_norm(x, self.weight, self.eps) if residual is None
+                else add_rms_norm(x, residual, self.weight, self.eps))
 
 
 class RotaryEmbedding(nn.Module):
@@ -121,13 +110,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
-        cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)  # (P, D): D/2 cosines, D/2 sines
-        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        # cos_sin (P, D): D/2 cosines, D/2 sines
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q (N, H, D) and k (N, Hkv, D) rotated by their tokens' positions (N,)."""
         angles = self.cos_sin[positions]  # (N, D)
-        return rotary_ref(q, angles), rotary_ref(k, angles)
+        return kernels.rotary_ref(q, angles), kernels.rotary_ref(k, angles)
 
 
 @gpu_compiled
@@ -138,6 +127,14 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 # ---- tensor-parallel linears ---------------------------------------------------------------------
+def sharded_parameter(weight_loader: Callable[..., None], *shape: int) -> nn.Parameter:
+    """A parameter for this rank's shard, zeros until loaded: weights.py copies each checkpoint
+    tensor in through `param.weight_loader(param, tensor)` (with a part index if packed)."""
+    param = nn.Parameter(torch.zeros(shape))
+    param.weight_loader = weight_loader
+    return param
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks. `output_sizes` lists the packed parts
     (q, k, v or gate, up); each part is split separately: each rank holds a slice of every part."""
@@ -148,16 +145,12 @@ class ColumnParallelLinear(nn.Module):
         assert all(size % self.tp_size == 0 for size in output_sizes)
         self.shard_sizes = [size // self.tp_size for size in output_sizes]
         out = sum(self.shard_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size))
-        self.weight.weight_loader = self.weight_loader
-        self.bias = nn.Parameter(torch.empty(out)) if bias else None
-        if bias:
-            self.bias.weight_loader = self.weight_loader
+        self.weight = sharded_parameter(self.weight_loader, out, input_size)
+        self.bias = sharded_parameter(self.weight_loader, out) if bias else None
 
     def weight_loader(self, param: Tensor, loaded: Tensor, part: int = 0) -> None:
         """Copy this rank's slice of checkpoint tensor `loaded` (part `part`) into param."""
-        size = self.shard_sizes[part]
-        start = sum(self.shard_sizes[:part])
+        size, start = self.shard_sizes[part], sum(self.shard_sizes[:part])  # in param's rows
         param.data[start:start + size].copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -171,8 +164,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.shard_size = input_size // self.tp_size
-        self.weight = nn.Parameter(torch.empty(output_size, self.shard_size))
-        self.weight.weight_loader = self.weight_loader
+        self.weight = sharded_parameter(self.weight_loader, output_size, self.shard_size)
 
     def weight_loader(self, param: Tensor, loaded: Tensor) -> None:
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.shard_size, self.shard_size))
@@ -191,9 +183,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.shard_size = -(-vocab_size // self.tp_size)  # cdiv; the last shard zero-padded
-        self.vocab_start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size))
-        self.weight.weight_loader = self.weight_loader
+        self.vocab_size, self.vocab_start = vocab_size, self.tp_rank * self.shard_size
+        self.weight = sharded_parameter(self.weight_loader, self.shard_size, hidden_size)
 
     def weight_loader(self, param: Tensor, loaded: Tensor) -> None:
         rows = loaded[self.vocab_start:self.vocab_start + self.shard_size]
@@ -212,20 +203,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of the chosen rows; each rank computes its vocab slice, rank 0 gathers them."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__(vocab_size, hidden_size)
-        self.vocab_size = vocab_size
-
     def forward(self, hidden: Tensor, rows: Tensor | None = None) -> Tensor | None:
         """hidden (N, hidden) -> logits (rows, V) on rank 0, None elsewhere. rows: which of
         hidden's rows (prefill: each sequence's last token); None: all (decode)."""
-        if rows is not None:
-            hidden = hidden[rows]  # (rows, hidden)
-        logits = F.linear(hidden, self.weight)  # (rows, V / tp)
+        logits = F.linear(hidden if rows is None else hidden[rows], self.weight)  # (rows, V / tp)
         if self.tp_size == 1:
             return logits
-        parts = ([torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0
-                 else None)
+        # rank 0 gathers every rank's slice of the vocab; the others only send theirs
+        parts = None if self.tp_rank else [torch.empty_like(logits) for _ in range(self.tp_size)]
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, -1)[:, :self.vocab_size] if self.tp_rank == 0 else None
 
@@ -245,34 +230,29 @@ class Attention(nn.Module):
         """Write the new tokens' k and v (N, Hkv, D) into the cache at their slots."""
         if self.k_cache.numel():  # the profiling run, before the cache exists, stores nothing
             slots = get_forward_context().slot_mapping
-            store_kvcache_ref(k, v, self.k_cache, self.v_cache, slots)
+            kernels.store_kvcache_ref(k, v, self.k_cache, self.v_cache, slots)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (N, H, D), k and v (N, Hkv, D) of the new tokens, already in the cache -> (N, H, D)."""
         ctx = get_forward_context()
         if not ctx.is_prefill:  # one new token per sequence against its blocks
-            return paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                                self.scale, num_common_blocks=ctx.num_common_blocks)
+            return kernels.paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables,
+                                        ctx.context_lens, self.scale,
+                                        num_common_blocks=ctx.num_common_blocks)
         if ctx.context_slots is not None:  # prefix hits: the cached keys are not in k, v
-            k, v = gather_kv(self.k_cache, self.v_cache, ctx.context_slots)  # (Nk, Hkv, D)
-        return prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q,
-                                 ctx.max_seqlen_k, self.scale)
+            k, v = kernels.gather_kv(self.k_cache, self.v_cache, ctx.context_slots)  # (Nk, Hkv, D)
+        return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
 
 
 def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                            rotary: RotaryEmbedding, attn: Attention,
-                            q_norm: RMSNorm | None,
+                            rotary: RotaryEmbedding, attn: Attention, q_norm: RMSNorm | None,
                             k_norm: RMSNorm | None) -> tuple[Tensor, Tensor]:
     """q/k RMSNorm (Qwen3), rotary and the K/V store as one Triton kernel: what SelfAttention's
     plain steps compute, with one launch per layer instead of five."""
     norm = None if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-    return rotary_and_store(q, k, v, positions, rotary.cos_sin, attn.k_cache, attn.v_cache,
-                            get_forward_context().slot_mapping, norm)
-
-
-def use_fused_kernels(x: Tensor) -> bool:
-    """Fused Triton kernels on the GPU (and under TRITON_INTERPRET=1); plain torch otherwise."""
-    return use_triton(x)
+    return kernels.rotary_and_store(q, k, v, positions, rotary.cos_sin, attn.k_cache,
+                                    attn.v_cache, get_forward_context().slot_mapping, norm)
 
 
 # ---- sampling ------------------------------------------------------------------------------------
@@ -287,21 +267,20 @@ class Sampler(nn.Module):
         if temperatures is None:
             return logits.argmax(-1)  # (S,)
         if top_ks is None and top_ps is None:
-            return sample(logits, temperatures, keys)
+            return kernels.sample(logits, temperatures, keys)
         scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
         # the top token always survives the masks: greedy rows stay greedy
         masked = self.mask_top_k_top_p(scaled, top_ks, top_ps)
-        return sample(masked, (temperatures > 0).float(), keys)  # already scaled: T = 1, or 0
+        return kernels.sample(masked, (temperatures > 0).float(), keys)  # pre-scaled: T = 1, or 0
 
     @staticmethod
     def mask_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:
         """-inf for every logit outside the top k, and outside the fewest tokens reaching p."""
         sorted_logits, order = logits.sort(-1, descending=True)  # (S, V)
         if top_ks is not None:
-            ranks = torch.arange(logits.shape[-1], device=logits.device)
-            k = torch.where(top_ks > 0, top_ks, logits.shape[-1])
-            outside = ranks.unsqueeze(0) >= k.unsqueeze(1)  # (S, V)
-            sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+            ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)  # (1, V)
+            k = torch.where(top_ks > 0, top_ks, logits.shape[-1]).unsqueeze(1)  # (S, 1); 0: off
+            sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
         if top_ps is not None:
             probs = sorted_logits.softmax(-1)
             # drop a token when the tokens before it reach p (the most likely one always stays)

@@ -11,6 +11,7 @@ import atexit
 import logging
 import numbers
 import time
+from contextlib import suppress
 from dataclasses import fields
 
 import numpy as np
@@ -30,22 +31,19 @@ logger = logging.getLogger("nanoserve")
 
 class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        unknown = set(kwargs) - {f.name for f in fields(Config)}
-        if unknown:
-            names = [f.name for f in fields(Config)]
+        names = [f.name for f in fields(Config)]
+        if unknown := set(kwargs) - set(names):
             raise ValueError(f"unknown LLM settings {sorted(unknown)}; the settings are the "
                              f"fields of nanoserve.config.Config: {names}")
         self.config = Config(model or default_model_dir(), **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        self.workers: Workers | None = None
+        # ranks 1..N-1 in their own processes
+        self.workers = Workers(self.config) if self.config.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
         atexit.register(self.shutdown)
-        try:
-            if self.config.tensor_parallel_size > 1:  # ranks 1..N-1 in their own processes
-                self.workers = Workers(self.config)
-                self.model_runner = ModelRunner(self.config, 0, self.workers.port, self.workers)
-            else:
-                self.model_runner = ModelRunner(self.config)
+        try:  # a model runner that fails to start: the workers already started stop
+            port = self.workers.port if self.workers is not None else None
+            self.model_runner = ModelRunner(self.config, 0, port, self.workers)
         except BaseException:
             self.shutdown()
             raise
@@ -57,11 +55,9 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}
-        try:
+        with suppress(OSError):  # no generation_config.json
             gen = GenerationConfig.from_pretrained(self.config.model).eos_token_id
             ids |= set(gen) if isinstance(gen, list) else {gen}
-        except OSError:
-            pass  # no generation_config.json
         return {i for i in ids if i is not None}
 
     # ---- requests -----------------------------------------------------------------------------
@@ -77,22 +73,19 @@ class LLMEngine:
                      prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt))
         if not token_ids:
             raise ValueError("empty prompt: give at least one token")
-        vocab = self.config.hf_config.vocab_size
         # set(map(type, ...)), min and max loop in C: a per-token isinstance is ten times slower
-        if set(map(type, token_ids)) != {int}:  # numpy integers are welcome; floats, bools not
-            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                       for t in token_ids):
-                names = sorted({type(t).__name__ for t in token_ids})
-                raise ValueError(f"token ids must be integers, got {names}")
-            token_ids = [int(t) for t in token_ids]
-        if not 0 <= min(token_ids) <= max(token_ids) < vocab:
+        types = set(map(type, token_ids))  # numpy integers are welcome; floats, bools not
+        if not all(issubclass(t, numbers.Integral) and t is not bool for t in types):
+            names = sorted({t.__name__ for t in types})
+            raise ValueError(f"token ids must be integers, got {names}")
+        token_ids = list(map(int, token_ids)) if types != {int} else token_ids
+        if not 0 <= min(token_ids) <= max(token_ids) < self.config.hf_config.vocab_size:
             raise ValueError(f"token ids {min(token_ids)}..{max(token_ids)} reach outside the "
-                             f"vocabulary [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
+                             f"vocabulary [0, {self.config.hf_config.vocab_size})")
+        if len(token_ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} "
-                             f"exceeds max_model_len={limit}: shorten the prompt, lower max_tokens "
-                             "or raise max_model_len")
+                             f"exceeds max_model_len={self.config.max_model_len}: shorten the "
+                             "prompt, lower max_tokens or raise max_model_len")
         return Sequence(token_ids, params, self.config.kvcache_block_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
@@ -123,12 +116,11 @@ class LLMEngine:
 
     def _trace(self, batch: Batch, before: dict[str, int], num_finished: int) -> None:
         bm = self.scheduler.block_manager
-        delta = {k: v - before[k] for k, v in self._counters().items()}
-        logger.info("%-7s seqs=%-3d tokens=%-5d blocks: +%d allocated -%d freed %d hit | "
-                    "preempted=%d finished=%d free=%d/%d",
-                    "prefill" if batch.is_prefill else "decode", len(batch.seqs),
-                    sum(batch.num_new_tokens), delta["allocated"], delta["freed"], delta["hit"],
-                    delta["preempted"], num_finished, bm.num_free_blocks, len(bm.blocks))
+        d = {k: v - before[k] for k, v in self._counters().items()}  # this step's counts
+        logger.info(f"{'prefill' if batch.is_prefill else 'decode':7s} seqs={len(batch.seqs):<3d} "
+                    f"tokens={sum(batch.num_new_tokens):<5d} blocks: +{d['allocated']} allocated "
+                    f"-{d['freed']} freed {d['hit']} hit | preempted={d['preempted']} "
+                    f"finished={num_finished} free={bm.num_free_blocks}/{len(bm.blocks)}")
 
     # ---- the whole loop -----------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]],
@@ -141,37 +133,32 @@ class LLMEngine:
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (strings or token-id lists): wrap "
                              "a single prompt in a list")
-        params = params if params is not None else SamplingParams()
+        params = SamplingParams() if params is None else params
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts: give "
                              "one per prompt, or a single SamplingParams for all")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]  # check all
         try:
-            texts = self._run_to_completion(seqs, use_tqdm)
+            return self._run_to_completion(seqs, use_tqdm)
         except BaseException:
             self.scheduler.abort(seqs)  # drop this call's unfinished requests, free their blocks
             raise
-        return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids,
-                 "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}
-                for seq in seqs]
 
-    def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool) -> dict[int, str]:
-        """Step until every one of seqs finishes; their texts by seq_id, each decoded as its
-        sequence finishes (while the GPU already runs the next step, with overlap)."""
+    def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool) -> list[dict]:
+        """Step until every one of seqs finishes; their outputs in order, each text decoded as
+        its sequence finishes (while the GPU already runs the next step, with overlap)."""
         texts: dict[int, str] = {}
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(*seqs)
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         rates = ThroughputMeter()
-        pending = {seq.seq_id for seq in seqs}
+        ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
         try:
-            while pending:
+            while len(texts) < len(seqs):  # each sequence finishes once
                 finished, batch = self.step()
                 bar.set_postfix_str(rates.update(batch), refresh=False)
                 for seq in finished:
-                    if seq.seq_id in pending:
-                        pending.remove(seq.seq_id)
+                    if seq.seq_id in ids:
                         texts[seq.seq_id] = self.tokenizer.decode(seq.output_token_ids,
                                                                   skip_special_tokens=True)
                         bar.update(1)
@@ -181,7 +168,9 @@ class LLMEngine:
             if self.overlap is not None:
                 self.overlap.cancel()  # after a failure: drop the step in flight
             bar.close()
-        return texts
+        return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids,
+                 "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}
+                for seq in seqs]
 
     # ---- lifetime -----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -208,18 +197,15 @@ class ThroughputMeter:
     far: a single step's rate means little when, with overlap, a step can return at once."""
 
     def __init__(self) -> None:
-        self.tokens = {"prefill": 0, "decode": 0}
-        self.seconds = {"prefill": 0.0, "decode": 0.0}
-        self.last = time.perf_counter()
+        # [decode, prefill], indexed by batch.is_prefill; the time of the last update
+        self.tokens, self.seconds, self.last = [0, 0], [0.0, 0.0], time.perf_counter()
 
     def update(self, batch: Batch) -> str:
-        now = time.perf_counter()
-        kind = "prefill" if batch.is_prefill else "decode"
-        self.tokens[kind] += sum(batch.num_new_tokens)
-        self.seconds[kind] += now - self.last
-        self.last = now
-        rate = {k: self.tokens[k] / max(self.seconds[k], 1e-9) for k in self.tokens}
-        return f"prefill {rate['prefill']:,.0f} tok/s, decode {rate['decode']:,.0f} tok/s"
+        last, self.last = self.last, time.perf_counter()
+        self.tokens[batch.is_prefill] += sum(batch.num_new_tokens)
+        self.seconds[batch.is_prefill] += self.last - last
+        decode, prefill = (n / max(s, 1e-9) for n, s in zip(self.tokens, self.seconds))
+        return f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s"
 
 
 LLM = LLMEngine

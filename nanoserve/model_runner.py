@@ -80,9 +80,9 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
     """Cache slots of tokens [start, end): slot = block_id * block_size + offset in the block."""
     slots: list[int] = []
     for i in range(start // block_size, (end - 1) // block_size + 1):
-        lo, hi = max(start, i * block_size), min(end, (i + 1) * block_size)
-        base = block_table[i] * block_size - i * block_size  # token p of block i: base + p
-        slots.extend(range(base + lo, base + hi))
+        base = (block_table[i] - i) * block_size  # token p of block i sits at slot base + p
+        # block i's tokens, clipped to [start, end)
+        slots += range(base + max(start, i * block_size), base + min(end, (i + 1) * block_size))
     return slots
 
 
@@ -94,7 +94,6 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
-        self.rng = np.random.default_rng()  # the sampler's keys for unseeded rows
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if config.tensor_parallel_size > 1:
@@ -102,15 +101,13 @@ class ModelRunner:
         # decode batches up to this size replay a graph: the captured size >= max_num_seqs
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.max_graph_batch = graph_batch_size(config.max_num_seqs) if use_graphs else 0
-        self.graphs: DecodeGraphs | None = None
-        self.model = self._build_model()
-        self.sampler = Sampler()
+        # rng: the sampler's keys for unseeded rows
+        self.model, self.sampler, self.rng = self._build_model(), Sampler(), np.random.default_rng()
         self.allocate_kv_cache()
-        if use_graphs:
-            with self.device, torch.inference_mode():
-                self.graphs = DecodeGraphs(self.model, self.max_graph_batch,
-                                           self.max_blocks_per_seq, self.use_cascade,
-                                           config.torch_dtype)
+        # decode graphs, captured on the device; None: every decode step runs eagerly
+        with self.device, torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.max_graph_batch, self.max_blocks_per_seq,
+                                       self.use_cascade, config.torch_dtype) if use_graphs else None
 
     @torch.inference_mode()
     def _build_model(self) -> DecoderModel:
@@ -128,11 +125,9 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         """Size the paged KV cache from the memory a worst-case forward pass leaves, allocate it."""
         layers = self.model.attention_layers()
-        h = layers[0]
-        block_bytes = (2 * len(layers) * self.block_size * h.num_kv_heads * h.head_dim
-                       * self.config.torch_dtype.itemsize)
-        num_blocks = self.config.num_kvcache_blocks
-        if num_blocks is None:
+        block = (self.block_size, layers[0].num_kv_heads, layers[0].head_dim)  # (B, Hkv, D)
+        block_bytes = 2 * len(layers) * int(np.prod(block)) * self.config.torch_dtype.itemsize
+        if (num_blocks := self.config.num_kvcache_blocks) is None:
             num_blocks = self._measure_num_blocks(block_bytes)
             if self.config.tensor_parallel_size > 1:  # every rank must agree on the block count
                 t = torch.tensor([num_blocks], device=self.device)
@@ -141,8 +136,8 @@ class ModelRunner:
             self.config.check_kvcache_fits(num_blocks, block_bytes)
             self.config.num_kvcache_blocks = num_blocks
         # (2, layers, num_blocks, B, Hkv, D): K and V of every layer, allocated at once
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, h.num_kv_heads,
-                                    h.head_dim, dtype=self.config.torch_dtype, device=self.device)
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, *block,
+                                    dtype=self.config.torch_dtype, device=self.device)
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -155,9 +150,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         self.warmup()
         free, total = torch.cuda.mem_get_info()
-        stats = torch.cuda.memory_stats()
         # the budget minus what is in use now, minus the warm-up's activation peak that recurs
-        peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         available = total * self.config.gpu_memory_utilization - (total - free) - peak_extra
         return max(int(available // block_bytes), 0)
 
@@ -167,13 +161,11 @@ class ModelRunner:
         cfg = self.config
         seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        cu = np.arange(num_seqs + 1, dtype=np.int32) * seq_len
-        n = num_seqs * seq_len
-        inputs = BatchInputs(is_prefill=True, input_ids=np.zeros(n, np.int64),
-                             positions=np.tile(np.arange(seq_len), num_seqs),
-                             slot_mapping=np.full(n, -1, np.int32), cu_seqlens_q=cu,
-                             cu_seqlens_k=cu)
-        logits = self.forward(inputs)
+        # num_seqs sequences of seq_len tokens: n tokens, cu (S+1,) their starts and end
+        n, cu = num_seqs * seq_len, np.arange(num_seqs + 1, dtype=np.int32) * seq_len
+        logits = self.forward(BatchInputs(  # slot -1: the warm-up writes no KV cache
+            is_prefill=True, input_ids=np.zeros(n, np.int64), slot_mapping=np.full(n, -1, np.int32),
+            positions=np.tile(np.arange(seq_len), num_seqs), cu_seqlens_q=cu, cu_seqlens_k=cu))
         if self.rank == 0:  # compile the sampler's kernels now, not during the first requests
             ones = torch.ones(2, device=self.device)  # temperatures and keys of two rows
             self.sampler(logits[:1].expand(2, -1), ones, ones.long())
@@ -184,23 +176,20 @@ class ModelRunner:
         return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
 
     def prepare_prefill(self, batch: Batch) -> BatchInputs:
-        input_ids, positions, slot_mapping = [], [], []
-        cu_q, cu_k = [0], [0]
+        input_ids, positions, slot_mapping, cu_q, cu_k = [], [], [], [0], [0]
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            end = start + num_new
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += token_slots(seq.block_table, start, end, self.block_size)
             cu_q.append(cu_q[-1] + num_new)
             cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
-        prefix_hit = cu_k[-1] > cu_q[-1]
-        return BatchInputs(is_prefill=True, input_ids=np.array(input_ids, np.int64),
-                           positions=np.array(positions, np.int64),
-                           slot_mapping=np.array(slot_mapping, np.int32),
-                           cu_seqlens_q=np.array(cu_q, np.int32),
-                           cu_seqlens_k=np.array(cu_k, np.int32),
-                           block_tables=self.block_tables(batch.seqs) if prefix_hit else None)
+        return BatchInputs(
+            is_prefill=True, input_ids=np.array(input_ids, np.int64),
+            positions=np.array(positions, np.int64), slot_mapping=np.array(slot_mapping, np.int32),
+            cu_seqlens_q=np.array(cu_q, np.int32), cu_seqlens_k=np.array(cu_k, np.int32),
+            # prefix-cache hits: attention reads the cached keys through the block tables
+            block_tables=self.block_tables(batch.seqs) if cu_k[-1] > cu_q[-1] else None)
 
     def prepare_decode(self, seqs: list[Sequence]) -> BatchInputs:
         # each sequence computes its newest token, at position num_tokens - 1
@@ -220,8 +209,7 @@ class ModelRunner:
         return self.config.enable_prefix_caching and num_seqs >= CASCADE_MIN_SEQS
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        width = max(len(seq.block_table) for seq in seqs)
-        flat: list[int] = []
+        width, flat = max(len(seq.block_table) for seq in seqs), []
         for seq in seqs:  # one flat list, then one conversion: the fastest way to numpy
             flat += seq.block_table
             flat += [-1] * (width - len(seq.block_table))
@@ -230,86 +218,70 @@ class ModelRunner:
     # ---- device side: arrays -> logits (every rank) -------------------------------------------
     def to_device(self, array: np.ndarray | None) -> Tensor | None:
         """array on the device, copied without blocking the host (from pinned memory on CUDA)."""
-        if array is None:
-            return None
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        if array is None or self.device.type == "cpu":  # nothing to copy
+            return None if array is None else torch.from_numpy(array)
+        return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, input_ids: Tensor | None = None) -> Tensor | None:
         """Run the model on one batch; return logits (S, V) on rank 0, None on other ranks.
         input_ids: the batch's tokens already on the device (overlap), else inputs.input_ids."""
-        if input_ids is None:
-            input_ids = self.to_device(inputs.input_ids)
-        if inputs.is_prefill:
-            with forward_context(self._prefill_context(inputs)):
+        input_ids = self.to_device(inputs.input_ids) if input_ids is None else input_ids
+        num_seqs = len(inputs.cu_seqlens_q) - 1 if inputs.is_prefill else len(inputs.positions)
+        if inputs.is_prefill or num_seqs > self.max_graph_batch:
+            with forward_context(self._context(inputs)):
                 hidden = self.model(input_ids, self.to_device(inputs.positions))  # (N, hidden)
-            rows = self.to_device(self._logits_rows(inputs.cu_seqlens_q))
-            num_seqs = len(inputs.cu_seqlens_q) - 1
-        elif len(inputs.positions) <= self.max_graph_batch:
-            hidden, rows = self.graphs.replay(inputs, input_ids), None  # (graph size, hidden)
-            num_seqs = len(inputs.positions)
-        else:
-            with forward_context(self._decode_context(inputs)):
-                hidden = self.model(input_ids, self.to_device(inputs.positions))  # (S, hidden)
-            rows, num_seqs = None, len(inputs.positions)
+        else:  # a decode batch that fits a captured graph
+            hidden = self.graphs.replay(inputs, input_ids)  # (graph size, hidden)
+        # prefill computes logits at each sequence's last new token only; decode at every row
+        rows = self.to_device(self._logits_rows(inputs.cu_seqlens_q)) if inputs.is_prefill else None
         logits = self.model.compute_logits(hidden, rows)  # (rows, V) on rank 0
         return None if logits is None else logits[:num_seqs]
 
-    def _prefill_context(self, inputs: BatchInputs) -> ForwardContext:
-        d = self.to_device
-        cu_q, cu_k = inputs.cu_seqlens_q, inputs.cu_seqlens_k
+    def _context(self, inputs: BatchInputs) -> ForwardContext:
+        """The batch layout on the device, for an eager forward pass (a graph holds its own)."""
+        d, cu_q, cu_k = self.to_device, inputs.cu_seqlens_q, inputs.cu_seqlens_k
+        if not inputs.is_prefill:
+            common = inputs.num_common_blocks  # cascade attention reads it on the device
+            return ForwardContext(
+                is_prefill=False, slot_mapping=d(inputs.slot_mapping),
+                context_lens=d(inputs.context_lens), block_tables=d(inputs.block_tables),
+                num_common_blocks=d(np.array([common], np.int32)) if common else None)
         ctx = ForwardContext(is_prefill=True, slot_mapping=d(inputs.slot_mapping),
-                             cu_seqlens_q=d(cu_q), cu_seqlens_k=d(cu_k),
-                             max_seqlen_q=int(np.diff(cu_q).max()),
-                             max_seqlen_k=int(np.diff(cu_k).max()))
+                             cu_seqlens_q=d(cu_q), max_seqlen_q=int(np.diff(cu_q).max()),
+                             cu_seqlens_k=d(cu_k), max_seqlen_k=int(np.diff(cu_k).max()))
         if inputs.block_tables is not None:  # prefix hits: slots computed once, read by all layers
             ctx.context_slots = context_slots(d(inputs.block_tables), ctx.cu_seqlens_k,
                                               self.block_size, int(cu_k[-1]))
         return ctx
-
-    def _decode_context(self, inputs: BatchInputs) -> ForwardContext:
-        d = self.to_device
-        common = inputs.num_common_blocks
-        return ForwardContext(is_prefill=False, slot_mapping=d(inputs.slot_mapping),
-                              context_lens=d(inputs.context_lens),
-                              block_tables=d(inputs.block_tables),
-                              num_common_blocks=d(np.array([common], np.int32)) if common else None)
 
     def _logits_rows(self, cu_seqlens_q: np.ndarray) -> np.ndarray:
         """(rows,) int64: each sequence's last new token, where prefill computes logits. With
         CUDA graphs the last row repeats up to a captured size, so the LM head only meets GEMM
         shapes it has already run (see cuda_graphs)."""
         last = cu_seqlens_q[1:].astype(np.int64) - 1  # (S,)
-        num_rows = len(last)
-        if num_rows <= self.max_graph_batch:
-            num_rows = graph_batch_size(num_rows)
+        num_rows = graph_batch_size(len(last)) if len(last) <= self.max_graph_batch else len(last)
         return np.pad(last, (0, num_rows - len(last)), mode="edge")
 
     # ---- sampling (rank 0) --------------------------------------------------------------------
     @torch.inference_mode()
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
-        params = [seq.params for seq in seqs]
+        params, d = [seq.params for seq in seqs], self.to_device
         temperatures = keys = None  # None: every row is greedy
         if any(p.temperature > 0 for p in params):
-            temperatures = self.to_device(np.array([p.temperature for p in params], np.float32))
-            key = self.rng.integers(0, KEY_LIMIT, len(seqs))  # (S,) int64: unseeded, any key
-            for i, seq in enumerate(seqs):
-                if seq.params.seed is not None:  # the position of the token being sampled
-                    key[i] = sampling_key(seq.params.seed, seq.num_tokens)
-            keys = self.to_device(key)
-        top_ks = (self.to_device(np.array([p.top_k for p in params]))
-                  if any(p.top_k for p in params) else None)
-        top_ps = (self.to_device(np.array([p.top_p for p in params], np.float32))
+            temperatures = d(np.array([p.temperature for p in params], np.float32))
+            # a seeded row's key: its seed and the position of the token it samples; others: any
+            key = [k if seq.params.seed is None else sampling_key(seq.params.seed, seq.num_tokens)
+                   for k, seq in zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(), seqs)]
+            keys = d(np.array(key, np.int64))  # (S,)
+        top_ks = d(np.array([p.top_k for p in params])) if any(p.top_k for p in params) else None
+        top_ps = (d(np.array([p.top_p for p in params], np.float32))
                   if any(p.top_p < 1 for p in params) else None)
         token_ids = self.sampler(logits, temperatures, keys, top_ks, top_ps)  # (S,) int64
-        if self.device.type == "cpu":
-            return StepOutput(token_ids, token_ids)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        return StepOutput(token_ids, host, copied=torch.cuda.current_stream().record_event())
+        # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
+        host = token_ids.to("cpu", non_blocking=True)
+        copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
+        return StepOutput(token_ids, host, copied)
 
     def run(self, batch: Batch, input_ids: Tensor | None = None) -> StepOutput:
         """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns
@@ -336,10 +308,8 @@ class ModelRunner:
             torch.cuda.synchronize()
         # the graphs go before the process group: they hold its NCCL all-reduces, and
         # destroying the group under them hangs the ranks
-        self.graphs = None
-        del self.model, self.kv_cache
+        del self.graphs, self.model, self.kv_cache
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # (nothing to do where CUDA never started)

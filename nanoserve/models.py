@@ -10,19 +10,7 @@ weight loader where each checkpoint tensor goes. Owns the architecture, not the 
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from nanoserve.layers import (
-    Attention,
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    fused_norm_rotary_store,
-    silu_and_mul,
-    tp_rank_and_size,
-    use_fused_kernels,
-)
+from nanoserve import kernels, layers
 
 
 def rope_theta(cfg: PretrainedConfig) -> float:
@@ -38,32 +26,32 @@ def rope_theta(cfg: PretrainedConfig) -> float:
 class SelfAttention(nn.Module):
     def __init__(self, cfg: PretrainedConfig, qk_norm: bool, qkv_bias: bool) -> None:
         super().__init__()
-        tp = tp_rank_and_size()[1]
+        tp = layers.tp_rank_and_size()[1]
         D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.head_dim = D
         self.num_heads = cfg.num_attention_heads // tp  # H on this rank
         self.num_kv_heads = cfg.num_key_value_heads // tp  # Hkv on this rank
-        self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [cfg.num_attention_heads * D, cfg.num_key_value_heads * D,
-                              cfg.num_key_value_heads * D], bias=qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(D, cfg.max_position_embeddings, rope_theta(cfg))
-        self.attn = Attention(self.num_heads, self.num_kv_heads, D)
+        q_size, kv_size = cfg.num_attention_heads * D, cfg.num_key_value_heads * D  # unsharded
+        self.qkv_proj = layers.ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
+                                                    bias=qkv_bias)
+        self.o_proj = layers.RowParallelLinear(q_size, cfg.hidden_size)
+        self.q_norm = layers.RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = layers.RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = layers.RotaryEmbedding(D, cfg.max_position_embeddings, rope_theta(cfg))
+        self.attn = layers.Attention(self.num_heads, self.num_kv_heads, D)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], -1)
         q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)  # (N, heads, D)
-        if not use_fused_kernels(x):
+        if not kernels.use_triton(x):  # CPU: the plain steps; GPU or TRITON_INTERPRET=1: fused
             if self.q_norm is not None:  # Qwen3: RMS-normalize each head of q and k
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)  # rotate each head by its token's position
             self.attn.store_kv(k, v)  # into the paged cache, at the tokens' slots
         else:  # the same three steps as one Triton kernel
-            q, k = fused_norm_rotary_store(positions, q, k, v, self.rotary, self.attn,
-                                           self.q_norm, self.k_norm)
+            q, k = layers.fused_norm_rotary_store(positions, q, k, v, self.rotary, self.attn,
+                                                  self.q_norm, self.k_norm)
         o = self.attn(q, k, v)  # (N, H, D): attend to each sequence's cached context
         return self.o_proj(o.flatten(1))  # (N, hidden)
 
@@ -73,12 +61,13 @@ class MLP(nn.Module):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (only silu)")
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = layers.ColumnParallelLinear(cfg.hidden_size,
+                                                        [cfg.intermediate_size] * 2)
+        self.down_proj = layers.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # (N, 2 I): gate and up, one GEMM
-        return self.down_proj(silu_and_mul(gate_up))  # (N, I) -> (N, hidden)
+        return self.down_proj(layers.silu_and_mul(gate_up))  # (N, I) -> (N, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -86,8 +75,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = SelfAttention(cfg, qk_norm, qkv_bias)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: Tensor, x: Tensor,
                 residual: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -113,11 +102,11 @@ class DecoderModel(nn.Module):
         qk_norm, qkv_bias = arch == "Qwen3ForCausalLM", arch == "Qwen2ForCausalLM"
         qkv_bias = qkv_bias or getattr(cfg, "attention_bias", False)
         self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.embed_tokens = layers.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, qkv_bias)
                                           for _ in range(cfg.num_hidden_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = layers.ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -131,5 +120,5 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: Tensor, rows: Tensor | None = None) -> Tensor | None:
         return self.lm_head(hidden, rows)  # (rows, V) on rank 0, None elsewhere
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[layers.Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

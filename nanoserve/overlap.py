@@ -23,65 +23,57 @@ PENDING = -1  # token id placeholder: sampled by a step still running on the GPU
 class OverlapLoop:
     def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
         self.scheduler, self.model_runner = scheduler, model_runner
-        self.ahead: tuple[Batch, StepOutput] | None = None  # launched, not yet postprocessed
+        # the next step: scheduled, then launched (its StepOutput set), not yet postprocessed
+        self.ahead: tuple[Batch, StepOutput | None] | None = None
 
     def step(self) -> tuple[list[Sequence], Batch]:
         """Postprocess one step, with the step after it already launched when possible."""
-        batch, out = self.ahead if self.ahead is not None else (self.scheduler.schedule(), None)
-        self.ahead = None
+        (batch, out), self.ahead = self.ahead or (self.scheduler.schedule(), None), None
         try:
-            if out is None:
-                out = self.model_runner.run(batch)
-            self.ahead = self._launch_next(batch, out)
-            finished = self._postprocess(batch, out.tolist())
+            out = out or self.model_runner.run(batch)  # launched now, if it was not ahead
+            self._launch_next(batch, out)
+            return self._postprocess(batch, out.tolist()), batch
         except BaseException:  # neither step will be postprocessed
             self.cancel()  # the later one first, so the prompts keep their order
             self.cancel(batch)
             raise
-        return finished, batch
 
-    def _launch_next(self, batch: Batch, out: StepOutput) -> tuple[Batch, StepOutput] | None:
-        """The step after `batch`, launched: a prefill after a prefill while prompts wait; a
-        decode after a decode when no prompt waits and every sequence has a free slot."""
+    def _launch_next(self, batch: Batch, out: StepOutput) -> None:
+        """Launch the step after `batch` into self.ahead: a prefill after a prefill while prompts
+        wait; a decode after a decode when no prompt waits and every sequence has a free slot.
+        It is in self.ahead before it launches, so step() cancels it if the launch fails."""
         if batch.is_prefill:
-            return self._launch_prefill(batch) if self.scheduler.waiting else None
-        nxt = self._schedule_decode(batch)
-        if nxt is None:
-            return None
-        rows = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
-        index = np.array([rows[seq.seq_id] for seq in nxt.seqs], np.int64)  # (S,)
-        try:  # the input tokens are batch's samples, read on the device
+            if self.scheduler.waiting:
+                self._launch_prefill(batch)
+        elif (nxt := self._schedule_decode(batch)) is not None:
+            rows = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
+            index = np.array([rows[seq.seq_id] for seq in nxt.seqs], np.int64)  # (S,)
+            self.ahead = nxt, None  # scheduled: step() cancels it if the launch fails
+            # the input tokens are batch's samples, read on the device
             input_ids = out.token_ids[self.model_runner.to_device(index)]
-            return nxt, self.model_runner.run(nxt, input_ids=input_ids)
-        except BaseException:
-            self.cancel(nxt)
-            raise
+            self.ahead = nxt, self.model_runner.run(nxt, input_ids=input_ids)
 
-    def _launch_prefill(self, batch: Batch) -> tuple[Batch, StepOutput] | None:
-        head, nxt, out = self.scheduler.waiting[0], None, None
+    def _launch_prefill(self, batch: Batch) -> None:
+        head = self.scheduler.waiting[0]
         # a prompt chunked in `batch`: its next chunk starts after the one in flight
         in_flight = batch.num_new_tokens[-1] if batch.seqs[-1] is head else 0
+        head.num_computed_tokens += in_flight  # until nxt is prepared; postprocess counts it
         try:
-            head.num_computed_tokens += in_flight  # until nxt is prepared; postprocess counts it
-            try:
-                nxt = self.scheduler.schedule_prefill()
-                out = self.model_runner.run(nxt) if nxt.seqs else None
-            finally:
-                head.num_computed_tokens -= in_flight
-        except BaseException:
-            if nxt is not None:
-                self.cancel(nxt)
-            raise
-        return (nxt, out) if out is not None else None
+            nxt = self.scheduler.schedule_prefill()
+            if nxt.seqs:
+                self.ahead = nxt, None  # as in _launch_next
+                self.ahead = nxt, self.model_runner.run(nxt)
+        finally:  # before step() cancels a failed nxt: cancelling reads the count
+            head.num_computed_tokens -= in_flight
 
     def _schedule_decode(self, batch: Batch) -> Batch | None:
-        bm = self.scheduler.block_manager
         if self.scheduler.waiting:
             return None  # the next step may be a prompt's prefill
+        bm = self.scheduler.block_manager
         seqs = [seq for seq in batch.seqs
                 if not seq.is_finished and seq.num_output_tokens + 1 < seq.params.max_tokens]
-        new_blocks = sum(bm.num_missing_blocks(seq, num_extra_tokens=1) for seq in seqs)
-        if not seqs or new_blocks > bm.num_free_blocks:
+        # each needs room for one more token
+        if not seqs or sum(bm.num_missing_blocks(seq, 1) for seq in seqs) > bm.num_free_blocks:
             return None
         for seq in seqs:
             seq.append_token(PENDING)

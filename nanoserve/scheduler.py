@@ -37,23 +37,21 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0  # running count, read by the trace
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, *seqs: Sequence) -> None:
+        self.waiting.extend(seqs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
-        batch = self.schedule_prefill()
-        if not batch.seqs:
-            batch = self.schedule_decode()
+        prefill = self.schedule_prefill()  # prompts first; a decode when none can start
+        batch = prefill if prefill.seqs else self.schedule_decode()
         assert batch.seqs, "nothing schedulable: a sequence larger than the KV cache got in"
         return batch
 
     def schedule_prefill(self) -> Batch:
         """Take waiting prompts in order while the token budget, batch size and blocks allow."""
-        batch = Batch([], [], is_prefill=True)
-        budget = self.max_num_batched_tokens
+        batch, budget = Batch([], [], is_prefill=True), self.max_num_batched_tokens
         # a finished prompt joins `running` at once, so len(running) counts this batch too
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -68,15 +66,14 @@ class Scheduler:
             budget -= num_new
             if start + num_new < seq.num_tokens:
                 break  # chunked: the rest of this prompt goes in the next step, still first in line
-            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running.append(self.waiting.popleft())  # seq, from waiting to running
         return batch
 
     def schedule_decode(self) -> Batch:
         """One new token for every running sequence, preempting the newest when blocks run out."""
-        batch = Batch([], [], is_prefill=False)
-        while self.running and len(batch.seqs) < self.max_num_seqs:
+        seqs: list[Sequence] = []
+        while self.running and len(seqs) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
                 if not self.running:
@@ -85,13 +82,12 @@ class Scheduler:
                 self._preempt(self.running.pop())
             else:
                 self.block_manager.append_slot(seq)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
-        self.running.extendleft(reversed(batch.seqs))  # keep arrival order: oldest first
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))  # keep arrival order: oldest first
         # the batch runs longest context first: the decode kernel starts its programs in batch
         # order, and starting the longest work first lets the SMs finish together
-        batch.seqs.sort(key=lambda seq: seq.num_tokens, reverse=True)
-        return batch
+        seqs.sort(key=lambda seq: seq.num_tokens, reverse=True)
+        return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -122,9 +118,7 @@ class Scheduler:
         if token_id in params.stop_token_ids or (
                 not params.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens:
-            return "length"
-        return None
+        return "length" if seq.num_output_tokens >= params.max_tokens else None
 
     # ---- after a failure ---------------------------------------------------------------------
     def cancel(self, batch: Batch) -> None:

@@ -26,8 +26,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.params = params
-        self.block_size = block_size
+        self.params, self.block_size = params, block_size
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of the prompt, tokens served by the prefix cache

@@ -31,9 +31,8 @@ def load_weights(model: nn.Module, path: str) -> None:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name == "lm_head.weight" and tied:
-                    continue  # tied: the embedding already holds it
-                _load_tensor(params, name, f.get_tensor(name), model.packed_modules)
+                if not (tied and name == "lm_head.weight"):  # tied: the embedding holds it
+                    _load_tensor(params, name, f.get_tensor(name), model.packed_modules)
 
 
 def _load_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,

@@ -89,6 +89,8 @@ def test_prefix_caching_on_and_off_agree(model_dir, prompts):
     assert results[True][2] >= 2 * len(shared)  # each of the 8 prompts hit the 2 system blocks
     assert results[False][2] == 0
     on, off = results[True][1], results[False][1]
+    assert all(o["num_cached_tokens"] >= 32 for o in on)  # reported in each output
+    assert all(o["num_cached_tokens"] == 0 for o in off)
     assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
     assert results[True][0][0]["token_ids"] == results[True][1][0]["token_ids"]
 

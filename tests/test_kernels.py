@@ -260,8 +260,11 @@ def test_paged_decode_tile_variants_interpreted(blocks_per_iter: int, group_pad:
     group, Hkv, D, B = 3, 2, 64, 16
     kv = make_paged_kv([1, 3 * B + 7, 2 * B], B, Hkv, D, torch.float32)
     args = (torch.randn(3, group * Hkv, D), *kv, 0.125)
-    out = decode._paged_decode_launch(*args, num_splits=2, GROUP_PAD=group_pad,
-                                      BLOCKS_PER_ITER=blocks_per_iter, NUM_STAGES=1, num_warps=4)
+    with pytest.MonkeyPatch.context() as mp:  # the launch settings that paged_decode reads
+        mp.setattr(decode, "DECODE_TILE_TOKENS", blocks_per_iter * B)
+        mp.setattr(decode, "MIN_GROUP_ROWS", group_pad)
+        mp.setattr(decode, "DECODE_NUM_STAGES", 1)
+        out = kernels.paged_decode(*args, num_splits=2)
     torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
 
 

@@ -74,9 +74,11 @@ def main() -> None:
             default = decode.default_num_splits(S, Hkv, tables.shape[1], q.device)
             for splits in sorted({default, 1, 2}):
                 for tile, stages, warps in CONFIGS if splits == default else CONFIGS[:1]:
-                    t = graph_time(functools.partial(decode._paged_decode_launch, q, k, v, tables,
-                                                     lens, D ** -0.5, splits, 16, tile // B,
-                                                     stages, warps))
+                    # paged_decode reads its launch settings from these constants at each call
+                    decode.DECODE_TILE_TOKENS, decode.DECODE_NUM_STAGES = tile, stages
+                    decode.DECODE_NUM_WARPS = warps
+                    t = graph_time(functools.partial(decode.paged_decode, q, k, v, tables, lens,
+                                                     D ** -0.5, splits))
                     row = dict(S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits, tile=tile,
                                stages=stages, warps=warps, us=round(t * 1e6, 1),
                                bw=round(nbytes / t / BANDWIDTH, 3))

@@ -66,8 +66,8 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, v
     # issue K and V loads together: more bytes in flight per program hides HBM latency
     k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # (ROWS, TILE) fp32, scale folded with log2(e)
-    s = tl.where(valid[None, :], s, float("-inf"))
+    # (ROWS, TILE) fp32 scores, the scale folded with log2(e); invalid tokens -inf
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
     # Online softmax: every tile has >= 1 valid token (it starts below block_end): m_new is finite.
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
@@ -86,8 +86,7 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          BLOCKS_PER_ITER: tl.constexpr, NUM_STAGES: tl.constexpr,
                          CASCADE: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
     # KV heads vary fastest in the grid: the GPU starts programs in that order, so a batch sorted
-    # longest context first (the scheduler's order) starts its longest work first, and SMs finish
-    # together
+    # longest context first (the scheduler's order) starts its longest work first; SMs end together
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     TILE: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER  # tokens per step: whole blocks, no straddle
     context_len = tl.load(context_lens_ptr + seq)
@@ -117,24 +116,18 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
         for slot in range(0, first_slot):  # first_slot = number of prefix partials (0: no prefix)
-            m_i, l_i, acc = _fold_partial(m_i, l_i, acc, part_out_ptr, part_lse_ptr,
-                                          q_rows * num_slots + slot, offs_g < GROUP, offs_d,
-                                          HEAD_DIM)
+            # A partial (out, lse) is the online-softmax state m = lse, l = 1, acc = out: merged as
+            # a tile. An empty partial (LSE -inf) never wrote its output; both empty: weights 0.
+            row = q_rows * num_slots + slot  # (GROUP_PAD,) into part_lse (S, H, slots)
+            lse = tl.load(part_lse_ptr + row, mask=offs_g < GROUP, other=float("-inf"))
+            out = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=(lse > float("-inf"))[:, None], other=0.0)  # (GROUP_PAD, D)
+            m_new = tl.maximum(m_i, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: not exp2(nan)
+            alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
+            m_i, l_i, acc = m_new, l_i * alpha + beta, acc * alpha[:, None] + out * beta[:, None]
     _store_decode_partial(acc, m_i, l_i, q_rows, offs_g < GROUP, offs_d, first_slot + split,
                           num_slots, out_ptr, part_out_ptr, part_lse_ptr, HEAD_DIM, SINGLE_SPLIT)
-
-
-@triton.jit
-def _fold_partial(m_i, l_i, acc, part_out_ptr, part_lse_ptr, row, row_mask, offs_d,
-                  HEAD_DIM: tl.constexpr):
-    # A partial (out, lse) is the online-softmax state m = lse, l = 1, acc = out: merged as a tile.
-    lse = tl.load(part_lse_ptr + row, mask=row_mask, other=float("-inf"))  # (ROWS,)
-    out = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=(lse > float("-inf"))[:, None], other=0.0)  # (ROWS, D); empty: never written
-    m_new = tl.maximum(m_i, lse)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: weights 0, not exp2(nan)
-    alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
-    return m_new, l_i * alpha + beta, acc * alpha[:, None] + out * beta[:, None]
 
 
 @triton.jit
@@ -166,12 +159,11 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     # Program (KV head, row tile, prefix split): ROWS query rows of many sequences against one split
     # of the shared prefix, so each prefix K/V tile is loaded once per ROWS rows, not per sequence.
     kv_head, row_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    TILE: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER
     prefix_len = tl.load(num_common_ptr) * BLOCK_SIZE  # P full blocks, read on device: no host sync
     block_start, block_end = _split_block_range(prefix_len, 0, BLOCK_SIZE)
     offs_r = row_tile * ROWS + tl.arange(0, ROWS)  # (ROWS,) sequence-major: row = seq * GROUP + g
     seq, heads = offs_r // GROUP, kv_head * GROUP + offs_r % GROUP  # (ROWS,) sequence, query head
-    offs_d, offs_t = tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
+    offs_d, offs_t = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)  # (TILE,)
     row_mask = seq < num_seqs
     load_q = seq < tl.where(block_start < block_end, num_seqs, 0)  # an idle split: no q loads
     q = tl.load(q_ptr + seq[:, None] * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
@@ -188,8 +180,7 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
                                      offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
                                      cache_stride_block, cache_stride_token, qk_scale)
     # a padded CUDA-graph row (context_len 0) does not hold the prefix: drop its share (LSE -inf)
-    context_len = tl.load(context_lens_ptr + seq, mask=row_mask, other=0)
-    l_i = tl.where(context_len >= prefix_len, l_i, 0.0)
+    l_i = tl.where(tl.load(context_lens_ptr + seq, mask=row_mask, other=0) >= prefix_len, l_i, 0.0)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (ROWS,) rows of out (S * H, D)
     _store_decode_partial(acc, m_i, l_i, q_rows, row_mask, offs_d, split, num_slots, part_out_ptr,
                           part_out_ptr, part_lse_ptr, HEAD_DIM, False)  # always a partial
@@ -263,52 +254,40 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     """
     if not use_triton(q):  # same math either way: the prefix changes only how often kernels read it
         return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-    (S, H, _), (B, Hkv) = q.shape, k_cache.shape[1:3]
+    (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
     if num_splits is None:
-        num_splits = default_num_splits(S, Hkv, block_tables.shape[1], q.device)
-    # arange needs a power of two and tl.dot >= 16 rows: a group of 2 or 3 pads to 16, masked
-    group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(H // Hkv))
-    return _paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-                                group_pad, max(1, DECODE_TILE_TOKENS // B), DECODE_NUM_STAGES,
-                                DECODE_NUM_WARPS, num_common_blocks)
-
-
-def _paged_decode_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                         context_lens: Tensor, scale: float, num_splits: int, GROUP_PAD: int,
-                         BLOCKS_PER_ITER: int, NUM_STAGES: int, num_warps: int,
-                         num_common_blocks: Tensor | None = None) -> Tensor:
-    S, H, D = q.shape
-    _, B, Hkv, _ = k_cache.shape
+        num_splits = default_num_splits(S, Hkv, max_blocks, q.device)
     assert H % Hkv == 0 and k_cache.shape[3] == D and v_cache.shape == k_cache.shape
     assert D >= 16 and D & (D - 1) == 0 and B >= 16 and B & (B - 1) == 0, "power-of-two D, B >= 16"
     assert block_tables.shape[0] == S and block_tables.stride(1) == 1 and q.stride(2) == 1
     assert block_tables.dtype == context_lens.dtype == torch.int32 and context_lens.shape == (S,)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and 1 <= num_splits
-    assert GROUP_PAD >= max(H // Hkv, MIN_GROUP_ROWS)
-    cascade = num_common_blocks is not None
+    group, cascade = H // Hkv, num_common_blocks is not None
     assert not cascade or (num_common_blocks.shape, num_common_blocks.dtype) == ((1,), torch.int32)
-    row_tiles = triton.cdiv(S * (H // Hkv), CASCADE_ROWS)  # (sequence, query head) rows per KV head
-    prefix_splits = (_prefix_num_splits(row_tiles, Hkv, block_tables.shape[1], q.device)
-                     if cascade else 0)
+    row_tiles = triton.cdiv(S * group, CASCADE_ROWS)  # (sequence, query head) rows per KV head
+    prefix_splits = _prefix_num_splits(row_tiles, Hkv, max_blocks, q.device) if cascade else 0
     # partials per (sequence, head): the prefix splits', then the own splits' unless one own split
     # folds the prefix partials in and writes the answer itself (the big batches cascade is for)
     num_slots = prefix_splits + (num_splits if num_splits > 1 else 0)
-    out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)  # (S, H, D)
-    fp32 = dict(dtype=torch.float32, device=q.device)  # without partials the kernels get `out`
-    part_out = torch.empty(S, H, num_slots, D, **fp32) if num_slots else out  # (S, H, slots, D)
-    part_lse = torch.empty(S, H, num_slots, **fp32) if num_slots else out  # (S, H, slots)
+    out = q.new_empty(S, H, D)  # (S, H, D)
+    # fp32 partial outputs (S, H, slots, D) and LSEs (S, H, slots); without any the kernels get out
+    part_out = q.new_empty(S, H, num_slots, D, dtype=torch.float32) if num_slots else out
+    part_lse = q.new_empty(S, H, num_slots, dtype=torch.float32) if num_slots else out
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
-    launch = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=BLOCKS_PER_ITER)
+    blocks_per_iter = max(1, DECODE_TILE_TOKENS // B)  # whole blocks per loop step
+    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=blocks_per_iter)
     if cascade:  # launched first: the per-sequence kernel folds its partials in
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
             scale * LOG2E, S, num_slots, *strides, ROWS=CASCADE_ROWS, NUM_STAGES=CASCADE_NUM_STAGES,
             num_warps=CASCADE_NUM_WARPS, **launch)
+    # arange needs a power of two and tl.dot >= 16 rows: a group of 2 or 3 pads to 16, masked
+    group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
     _paged_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         scale * LOG2E, prefix_splits, num_slots, *strides, block_tables.stride(0),
-        GROUP_PAD=GROUP_PAD, CASCADE=cascade, SINGLE_SPLIT=num_splits == 1, NUM_STAGES=NUM_STAGES,
-        num_warps=num_warps, **launch)
+        GROUP_PAD=group_pad, CASCADE=cascade, SINGLE_SPLIT=num_splits == 1,
+        NUM_STAGES=DECODE_NUM_STAGES, num_warps=DECODE_NUM_WARPS, **launch)
     if num_splits > 1:
         _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,
                                      SPLITS_PAD=triton.next_power_of_2(num_slots),
@@ -322,17 +301,15 @@ def paged_decode_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     their blocks gathered from the cache, padded to the chunk's longest context and masked. Reads no
     block-table entry past a sequence's blocks (those may hold garbage) and zeroes the padding, so
     garbage in the cache, even NaN, never reaches the output."""
-    S, H, D = q.shape
-    _, B, Hkv, _ = k_cache.shape
+    (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
     assert H % Hkv == 0 and block_tables.shape[0] == S and context_lens.shape == (S,)
     out = torch.zeros_like(q)  # (S, H, D); context_len 0 (a padded graph row) attends to nothing
     for c in range(0, S, chunk):
         lens = context_lens[c:c + chunk].long()  # (C,)
         num_blocks = int(lens.max() + B - 1) // B  # host sync
-        cols = torch.arange(num_blocks, device=q.device)  # (nb,)
-        blocks = torch.where(cols < (lens[:, None] + B - 1) // B,
-                             block_tables[c:c + chunk, :num_blocks], 0)  # (C, nb)
         valid = torch.arange(num_blocks * B, device=q.device) < lens[:, None]  # (C, L)
+        # a block is the sequence's when its first token is: later table entries are never read
+        blocks = torch.where(valid[:, ::B], block_tables[c:c + chunk, :num_blocks], 0)  # (C, nb)
         # (C, nb, B, Hkv, D) -> (C, L, Hkv, D) in fp32; the padding zeroed (only its rows, the cheap
         # way): a masked score must not be NaN + (-inf), nor a zero weight times a NaN value
         k, v = (cache[blocks].flatten(1, 2).float() for cache in (k_cache, v_cache))

@@ -27,9 +27,9 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_
         return prefill_attention_ref(*args, scale)
     if flash_attn_varlen_func is not None:  # flash-attn's causal mask is bottom-right (>= 2.1)
         return flash_attn_varlen_func(*args, softmax_scale=scale, causal=True)
-    # torch's built-in FlashAttention-2: packed varlen, GQA, bottom-right causal; (out, lse, ...)
-    out, *_ = torch.ops.aten._flash_attention_forward(*args, 0.0, True, False, scale=scale)
-    return out  # (Nq, H, D)
+    # torch's built-in FlashAttention-2: packed varlen, GQA, bottom-right causal; it returns
+    # (out, lse, ...): [0] is out (Nq, H, D)
+    return torch.ops.aten._flash_attention_forward(*args, 0.0, True, False, scale=scale)[0]
 
 
 def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -38,15 +38,13 @@ def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     """torch SDPA per sequence with an explicit bottom-right causal mask (CPU path, test oracle)."""
     out = torch.empty_like(q)  # (Nq, H, D)
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for s in range(len(bounds_q) - 1):
-        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
+    for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):  # one sequence
         Lq, Lk = q1 - q0, k1 - k0
         # bottom-right: query i is token Lk - Lq + i of the sequence (the first Lk - Lq are cached)
         mask = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(diagonal=Lk - Lq)
-        o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
-                                           v[k0:k1].transpose(0, 1), attn_mask=mask, scale=scale,
-                                           enable_gqa=True)  # (H, Lq, D)
-        out[q0:q1] = o.transpose(0, 1)
+        out[q0:q1] = F.scaled_dot_product_attention(  # (H, Lq, D) -> (Lq, H, D)
+            q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
     return out
 
 
@@ -57,13 +55,12 @@ def context_slots(block_tables: Tensor, cu_seqlens_k: Tensor, block_size: int,
     by every layer. num_tokens = Nk = cu_seqlens_k[-1]; passing it from the host saves a
     device-to-host sync."""
     assert block_tables.shape[0] == cu_seqlens_k.shape[0] - 1
-    if num_tokens is None:
-        num_tokens = int(cu_seqlens_k[-1])  # host sync
+    num_tokens = int(cu_seqlens_k[-1]) if num_tokens is None else num_tokens  # host sync if None
     token = torch.arange(num_tokens, dtype=cu_seqlens_k.dtype, device=block_tables.device)  # (Nk,)
     seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)  # (Nk,) each token's sequence
     pos = (token - cu_seqlens_k[seq]).long()  # (Nk,) its position within that sequence
-    block_id = block_tables[seq, pos // block_size].long()  # (Nk,)
-    return block_id * block_size + pos % block_size  # slot = block_id * B + offset
+    # slot = block_id * B + offset, block_id (Nk,) from the sequence's block table
+    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
 def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:

@@ -106,8 +106,7 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim: the mean of squares in fp32, then back to x's dtype, as
     transformers does."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rotary_ref(x: Tensor, cos_sin: Tensor) -> Tensor:
@@ -137,9 +136,8 @@ def store_kvcache_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
                       slot_mapping: Tensor) -> None:
     """Write key/value (N, Hkv, D) into the caches at slot_mapping (N,); slot -1 writes nowhere.
     Boolean masking syncs: the CPU path and test oracle only, never in a CUDA graph."""
-    Hkv, D = key.shape[1:]
-    assert value.shape == key.shape and k_cache.shape[2:] == (Hkv, D)
-    assert slot_mapping.shape == key.shape[:1]
+    N, Hkv, D = key.shape
+    assert value.shape == key.shape and k_cache.shape[2:] == (Hkv, D) and slot_mapping.shape == (N,)
     keep = slot_mapping >= 0  # (N,) drop padded slots (-1)
     slots = slot_mapping[keep].long()
     k_cache.view(-1, Hkv, D).index_copy_(0, slots, key[keep])  # (num_blocks * B, Hkv, D): slot rows

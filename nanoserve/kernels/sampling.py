@@ -1,5 +1,7 @@
-"""Sampling as a race, in two levels: a row's token is argmax(logits / T + Gumbel noise), the noise
-drawn by Philox from the row's key; T = 0 rows take the argmax.
+"""Sampling as a race of logits / T + Gumbel noise, in two levels, the noise from a key per row.
+
+A row's token is argmax(logits / T + Gumbel noise), the noise drawn by Philox from the row's key;
+T = 0 rows take the argmax.
 
 argmax(log p + G), G = -log(-log U) with U uniform, is an exact draw from p (the Gumbel-max trick).
 Inverse-CDF sampling compares one uniform with a cumulative sum over the vocabulary, whose rounding
@@ -60,7 +62,7 @@ def _chunk_stats_kernel(logits_ptr, temperatures_ptr, top_ptr, top_index_ptr, ls
 def _race_part(row_ptr, tokens, vocab, bits, t, best, best_token):
     """Score tokens (Q,) with their noise; keep the better of them and (best, best_token)."""
     x = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
-    score = x / t + _gumbel(bits)
+    score = x / tl.where(t > 0, t, 1.0) + _gumbel(bits)  # (a T = 0 row's winner goes unused)
     better = score > best  # a tie keeps the earlier part, whose token is smaller
     return tl.where(better, score, best), tl.where(better, tokens, best_token)
 
@@ -85,11 +87,10 @@ def _pick_token_kernel(logits_ptr, temperatures_ptr, keys_ptr, top_ptr, top_inde
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     first = chunk * CHUNK + offs
     best, best_token = tl.full([Q], float("-inf"), tl.float32), first
-    t_safe = tl.where(t > 0, t, 1.0)
-    best, best_token = _race_part(row_ptr, first, vocab, r0, t_safe, best, best_token)
-    best, best_token = _race_part(row_ptr, first + Q, vocab, r1, t_safe, best, best_token)
-    best, best_token = _race_part(row_ptr, first + 2 * Q, vocab, r2, t_safe, best, best_token)
-    best, best_token = _race_part(row_ptr, first + 3 * Q, vocab, r3, t_safe, best, best_token)
+    best, best_token = _race_part(row_ptr, first, vocab, r0, t, best, best_token)
+    best, best_token = _race_part(row_ptr, first + Q, vocab, r1, t, best, best_token)
+    best, best_token = _race_part(row_ptr, first + 2 * Q, vocab, r2, t, best, best_token)
+    best, best_token = _race_part(row_ptr, first + 3 * Q, vocab, r3, t, best, best_token)
     winner = tl.min(tl.where(best == tl.max(best, axis=0), best_token, vocab), axis=0)
     tl.store(tokens_ptr + row, tl.where(t > 0, winner, greedy))
 
@@ -138,22 +139,17 @@ def gumbel_ref(bits: Tensor) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
-def race_noise(keys: Tensor, chunks: Tensor) -> Tensor:
-    """(S, CHUNK) noise of each row's tokens in its chunk (S,), in token order (see the kernel)."""
-    Q = SAMPLE_CHUNK // 4
-    counters = TOKEN_STREAM + chunks.unsqueeze(1) * Q + torch.arange(Q, device=keys.device)
-    return gumbel_ref(torch.cat(philox4x32(keys, counters), 1))  # (S, 4 Q): part-major
-
-
 def sample_ref(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
     """sample() in plain torch (CPU path and test oracle): the same two races, the same noise."""
-    (S, V), K = logits.shape, SAMPLE_CHUNK
+    (S, V), K, Q = logits.shape, SAMPLE_CHUNK, SAMPLE_CHUNK // 4
     C = triton.cdiv(V, K)
     x = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # (S, V)
     padded = torch.cat([x, x.new_full((S, C * K - V), float("-inf"))], 1).view(S, C, K)
     lse = padded.logsumexp(-1)  # (S, C)
-    chunk_counters = torch.arange(C, device=keys.device).expand(S, -1)
-    chunk = (lse + gumbel_ref(philox4x32(keys, chunk_counters)[0])).argmax(-1)  # (S,)
+    noise = gumbel_ref(philox4x32(keys, torch.arange(C, device=keys.device).expand(S, -1))[0])
+    chunk = (lse + noise).argmax(-1)  # (S,) the chunk race
     inside = padded.gather(1, chunk.view(S, 1, 1).expand(-1, 1, K)).squeeze(1)  # (S, K)
-    token = chunk * K + (inside + race_noise(keys, chunk)).argmax(-1)
+    # the token race, its noise laid out as the kernel's: four parts of Q, part-major
+    counters = TOKEN_STREAM + chunk.unsqueeze(1) * Q + torch.arange(Q, device=keys.device)
+    token = chunk * K + (inside + gumbel_ref(torch.cat(philox4x32(keys, counters), 1))).argmax(-1)
     return torch.where(temperatures > 0, token, x.argmax(-1))  # (S,)
