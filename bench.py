@@ -240,7 +240,8 @@ def hf_generate_batch(model: "PreTrainedModel", prompts: list[list[int]], num_ne
 def hf_static_batches(model: "PreTrainedModel", wl: Workload, bs: int,
                       pad_id: int) -> list[int]:
     """wl in static batches of bs, in order; returns the tokens credited to each request."""
-    lengths, start, num_batches = [], time.perf_counter(), -(-len(wl.prompts) // bs)
+    from nanoserve.config import cdiv
+    lengths, start, num_batches = [], time.perf_counter(), cdiv(len(wl.prompts), bs)
     for i in range(0, len(wl.prompts), bs):
         want = wl.output_lens[i:i + bs]
         new = hf_generate_batch(model, wl.prompts[i:i + bs], max(want), pad_id)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nanoserve import kernels
+from nanoserve.config import cdiv
 
 TEMPERATURE_MIN = 1e-5  # top-k/top-p rows divide by the temperature: greedy rows (T = 0) by this
 
@@ -182,7 +183,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        self.shard_size = -(-vocab_size // self.tp_size)  # cdiv; the last shard zero-padded
+        self.shard_size = cdiv(vocab_size, self.tp_size)  # the last shard zero-padded
         self.vocab_size, self.vocab_start = vocab_size, self.tp_rank * self.shard_size
         self.weight = sharded_parameter(self.weight_loader, self.shard_size, hidden_size)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nanoserve.config import Config, cdiv
-from nanoserve.cuda_graphs import DecodeGraphs, graph_batch_size
+from nanoserve.cuda_graphs import DecodeGraphs, graph_batch_size, pinned
 from nanoserve.distributed import PEER_EXIT_WAIT_SECONDS, Workers, init_process_group
 from nanoserve.kernels import context_slots
 from nanoserve.layers import ForwardContext, Sampler, forward_context
@@ -220,7 +220,7 @@ class ModelRunner:
         """array on the device, copied without blocking the host (from pinned memory on CUDA)."""
         if array is None or self.device.type == "cpu":  # nothing to copy
             return None if array is None else torch.from_numpy(array)
-        return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
+        return pinned(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, input_ids: Tensor | None = None) -> Tensor | None:

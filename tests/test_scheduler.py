@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from nanoserve.config import Config, SamplingParams
+from nanoserve.config import Config, SamplingParams, cdiv
 from nanoserve.overlap import PENDING, OverlapLoop
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
@@ -169,7 +169,7 @@ def test_decode_gives_every_running_sequence_one_token(model_dir):
         assert batch.num_new_tokens == [1, 1, 1]
         assert list(sched.running) == seqs
         for seq in seqs:  # a slot for the newest token's K/V
-            assert len(seq.block_table) == -(-seq.num_tokens // BS)
+            assert len(seq.block_table) == cdiv(seq.num_tokens, BS)
         sched.postprocess(batch, [40 + i, 30 + i, 20 + i])
         assert [seq.num_tokens for seq in seqs] == [n + 1 for n in lengths]
         assert [seq.output_token_ids[-1] for seq in seqs] == [20 + i, 30 + i, 40 + i]
