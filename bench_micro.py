@@ -4,8 +4,8 @@
                   context 1024: bytes it must read (K and V of every sequence, q, out) over its
                   time, as a fraction of the HBM bandwidth. Inputs rotate through more memory than
                   L2 holds, so every read is a real HBM read.
-  sampler         kernels.sample (the Gumbel race) over Qwen's 151,936 bf16 logits per row at
-                  temperature 1, timed per call with CUDA events (the launches included).
+  sampler         kernels.sample (the two-level race) over Qwen's 151,936 bf16 logits per row,
+                  GPU time from CUDA-graph replays (no launch time).
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
                   Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
                   1024.
@@ -82,18 +82,26 @@ def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
         seq.block_table = list(range(s * CONTEXT // B, (s + 1) * CONTEXT // B))
         seqs.append(seq)
     inputs = runner.prepare(Batch(seqs, [1] * batch, is_prefill=False))
-    runner.use_graphs = graphs
+    max_graph_batch = runner.max_graph_batch
+    runner.max_graph_batch = max_graph_batch if graphs else 0  # 0: every decode runs eagerly
     seconds = time_cuda(lambda: runner.sample(runner.forward(inputs), seqs), iters=30)
-    runner.use_graphs = True
+    runner.max_graph_batch = max_graph_batch
     return seconds
 
 
-def sampler(batch: int, vocab: int = 151_936) -> float:
-    """Seconds of one kernels.sample call on (batch, vocab) bf16 logits at temperature 1."""
+def sampler(batch: int, vocab: int = 151_936, calls: int = 20) -> float:
+    """GPU seconds of one kernels.sample call on (batch, vocab) bf16 logits at temperature 0.6
+    (bench.py's): `calls` calls captured in one CUDA graph, so no launch time is counted, as in
+    the engine, where the sampler's launches overlap the forward pass."""
     logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16) * 3
-    temperatures = torch.ones(batch, device="cuda")
+    temperatures = torch.full((batch,), 0.6, device="cuda")
     keys = torch.randint(0, 2**62, (batch,), device="cuda")
-    return time_cuda(lambda: sample(logits, temperatures, keys), iters=50)
+    sample(logits, temperatures, keys)  # compile the kernels outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            sample(logits, temperatures, keys)
+    return time_cuda(graph.replay, iters=10) / calls
 
 
 def main() -> None:
