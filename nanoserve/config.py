@@ -49,6 +49,7 @@ CONFIG_CHECKS: tuple[Check, ...] = (
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("dtype", lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {list(DTYPES)}"),
     ("device", lambda v: v in ("auto", "cuda", "cpu"), "'auto', 'cuda' or 'cpu'"),
+    ("kv_cache_dtype", lambda v: v in ("auto", "fp8"), "'auto' (the model's dtype) or 'fp8'"),
 )
 
 
@@ -67,7 +68,9 @@ class Config:
     overlap_scheduling: bool = True  # launch the next step while this one runs (one rank only)
     dtype: str = "auto"  # "auto": the checkpoint's dtype on GPU, float32 on CPU; or a DTYPES key
     device: str = "auto"  # "auto": "cuda" when available, else "cpu"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3, half the bytes
     trace: bool = False  # log one line per engine step (also NANOSERVE_TRACE=1)
+    timeline: bool = False  # record every step for a picture of the run (LLM.timeline.plot)
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model):
@@ -126,6 +129,8 @@ class Config:
                              "or raise gpu_memory_utilization (or num_kvcache_blocks)")
 
 
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
 # `v >= 0` is also False for NaN; a str is iterable but is not a list of token ids
 SAMPLING_CHECKS: tuple[Check, ...] = (
     ("temperature", lambda v: _is_a(v, (int, float)) and v >= 0, "a real number >= 0 (0 = greedy)"),
@@ -135,6 +140,10 @@ SAMPLING_CHECKS: tuple[Check, ...] = (
     ("seed", lambda v: v is None or (_is_a(v, int) and v >= 0), "an integer >= 0 or None"),
     ("stop_token_ids", lambda v: isinstance(v, (list, tuple)) and all(_is_a(t, int) for t in v),
      "a list of integer token ids"),
+    ("stop", lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, str) and t for t in v),
+     "a list of non-empty strings"),
+    ("logprobs", lambda v: v is None or (_is_a(v, int) and 0 <= v <= MAX_LOGPROBS),
+     f"None or an integer in [0, {MAX_LOGPROBS}]"),
 )
 
 
@@ -147,7 +156,10 @@ class SamplingParams:
     ignore_eos: bool = False  # True: keep going past EOS (benchmarks)
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the sequence ("stop")
     seed: int | None = None  # fixed seed: the request samples the same tokens in any batch
+    stop: tuple[str, ...] = ()  # strings that end the sequence, matched on the text, left out of it
+    logprobs: int | None = None  # k: each output token's log-probability and the k likeliest's
 
     def __post_init__(self) -> None:
         check_fields(self, SAMPLING_CHECKS)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))

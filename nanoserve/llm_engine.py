@@ -11,12 +11,14 @@ import atexit
 import logging
 import numbers
 import time
+from collections.abc import Iterator
 from contextlib import suppress
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from functools import partial
 
 import numpy as np
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanoserve.config import Config, SamplingParams
 from nanoserve.distributed import Workers
@@ -24,9 +26,64 @@ from nanoserve.model_runner import ModelRunner
 from nanoserve.overlap import OverlapLoop
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
+from nanoserve.timeline import Timeline
 from nanoserve.weights import default_model_dir
 
 logger = logging.getLogger("nanoserve")
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to a streamed request. Its `text` deltas add up to the whole text."""
+    request_id: int  # the Sequence's seq_id
+    text: str  # the new text
+    token_ids: list[int]  # the new tokens
+    logprobs: list[dict[int, float]] | None  # per new token, with SamplingParams(logprobs=k)
+    finish_reason: str | None  # None until the last output: "stop", "length" or "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    num_output_tokens: int  # so far
+
+
+class TextStream:
+    """Incremental detokenization of one sequence's output, cut at its first stop string.
+
+    Decoding each new token alone goes wrong twice: a character of several bytes spans several
+    tokens (a part decodes to U+FFFD), and tokenizers drop a word's leading space when its token
+    starts the text. So each update decodes a window that begins at the previous update's new
+    tokens, keeps what the newest tokens add to it, and waits while the text ends mid-character.
+    While stop strings may still match, their length minus one characters are held back."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...],
+                 streamed: bool) -> None:
+        self.tokenizer, self.stop, self.streamed = tokenizer, stop, streamed
+        self.start = self.end = 0  # the last window decoded: output tokens [start, end)
+        self.text, self.stopped = "", False  # the text so far; whether a stop string cut it
+        self.num_sent_chars = self.num_sent_tokens = 0  # handed out by delta() / stream_step()
+
+    def update(self, token_ids: list[int], finished: bool) -> bool:
+        """Take the output tokens so far; return whether a stop string now ends the text."""
+        if self.stopped or len(token_ids) == self.end:
+            return self.stopped
+        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+        old, new = decode(token_ids[self.start:self.end]), decode(token_ids[self.start:])
+        if new.endswith("\ufffd") and not finished:
+            return False  # the newest tokens end inside a character: wait for the rest
+        searched = len(self.text)
+        self.text += new[len(old):]
+        self.start, self.end = self.end, len(token_ids)
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched - len(s) + 1)))
+                >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+        return self.stopped
+
+    def delta(self, finished: bool) -> str:
+        """The text not handed out yet, minus what could still become a stop string."""
+        hold = 0 if finished or not self.stop else max(map(len, self.stop)) - 1
+        end = max(self.num_sent_chars, len(self.text) - hold)
+        out, self.num_sent_chars = self.text[self.num_sent_chars:end], end
+        return out
 
 
 class LLMEngine:
@@ -52,6 +109,8 @@ class LLMEngine:
         # also what tells it the workers have read a call before the next one overwrites it
         self.overlap = (OverlapLoop(self.scheduler, self.model_runner)
                         if self.config.overlap_scheduling and self.workers is None else None)
+        self.streams: dict[int, TextStream] = {}  # seq_id -> its text, for streams and stops
+        self.timeline = Timeline(self.config, self.scheduler) if self.config.timeline else None
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}
@@ -88,10 +147,37 @@ class LLMEngine:
                              "prompt, lower max_tokens or raise max_model_len")
         return Sequence(token_ids, params, self.config.kvcache_block_size)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    stream: bool = False) -> Sequence:
+        """Queue one request; it joins the running batch at the next step. stream=True: each
+        stream_step() reports what it added to the request (a RequestOutput)."""
         seq = self.make_sequence(prompt, params)
+        if stream or params.stop:  # stop strings are matched on the text as it grows
+            self.streams[seq.seq_id] = TextStream(self.tokenizer, params.stop, stream)
         self.scheduler.add(seq)
         return seq
+
+    def abort_request(self, seq: Sequence) -> None:
+        """Finish a request now (its client went away): its blocks are free at once."""
+        self.scheduler.abort([seq])
+        self.streams.pop(seq.seq_id, None)
+
+    def stream_step(self) -> list[RequestOutput]:
+        """Run one step; return what it added to each streamed request (new tokens, new text)."""
+        finished, batch = self.step()
+        seqs = batch.seqs + [seq for seq in finished if seq not in batch.seqs]
+        return [out for seq in seqs if (out := self._stream_output(seq)) is not None]
+
+    def stream(self, prompt: str | list[int],
+               params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding its new text and tokens step by step. (Requests of
+        several clients share steps through add_request + stream_step, as the server does.)"""
+        seq = self.add_request(prompt, params or SamplingParams(), stream=True)
+        try:
+            while not seq.is_finished:
+                yield from (out for out in self.stream_step() if out.request_id == seq.seq_id)
+        finally:
+            self.abort_request(seq)  # a consumer that stops early frees the blocks
 
     def step(self) -> tuple[list[Sequence], Batch]:
         """Run one batch and record its tokens; return the sequences that finished and the batch."""
@@ -101,14 +187,48 @@ class LLMEngine:
         else:
             batch = self.scheduler.schedule()
             try:
-                token_ids = self.model_runner.run(batch).tolist()
+                out = self.model_runner.run(batch)
+                token_ids, logprobs = out.tolist(), out.logprob_dicts()
             except BaseException:
                 self.scheduler.cancel(batch)  # its prompts wait again
                 raise
-            finished = self.scheduler.postprocess(batch, token_ids)
+            finished = self.scheduler.postprocess(batch, token_ids, logprobs)
+        finished += self._match_stop_strings(batch)
         if before is not None:
             self._trace(batch, before, len(finished))
+        if self.timeline is not None:
+            self.timeline.record(batch, finished)
         return finished, batch
+
+    def _match_stop_strings(self, batch: Batch) -> list[Sequence]:
+        """Decode the new tokens of the batch's text streams; finish those that met a stop
+        string. Returns them."""
+        stopped = []
+        for seq in batch.seqs:
+            if (text := self.streams.get(seq.seq_id)) is not None:
+                if text.update(seq.output_token_ids, seq.is_finished) and not seq.is_finished:
+                    self.scheduler.abort([seq], reason="stop")
+                    stopped.append(seq)
+                if text.stopped:
+                    seq.finish_reason = "stop"
+        return stopped
+
+    def _stream_output(self, seq: Sequence) -> RequestOutput | None:
+        """What the last step added to a streamed request, or None (nothing, or not streamed)."""
+        text = self.streams.get(seq.seq_id)
+        if text is None or not text.streamed:
+            return None
+        new_ids = seq.output_token_ids[text.num_sent_tokens:]
+        if not new_ids and not seq.is_finished:
+            return None
+        start, text.num_sent_tokens = text.num_sent_tokens, text.num_sent_tokens + len(new_ids)
+        if seq.is_finished:
+            del self.streams[seq.seq_id]
+        logprobs = (seq.logprobs[start:text.num_sent_tokens]
+                    if seq.params.logprobs is not None else None)
+        return RequestOutput(seq.seq_id, text.delta(seq.is_finished), new_ids, logprobs,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                             seq.num_output_tokens)
 
     def _counters(self) -> dict[str, int]:
         """Running counts of blocks allocated, freed and hit, and of preemptions."""
@@ -139,11 +259,17 @@ class LLMEngine:
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts: give "
                              "one per prompt, or a single SamplingParams for all")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]  # check all
+        for seq in seqs:
+            if seq.params.stop:
+                self.streams[seq.seq_id] = TextStream(self.tokenizer, seq.params.stop, False)
         try:
             return self._run_to_completion(seqs, use_tqdm)
         except BaseException:
             self.scheduler.abort(seqs)  # drop this call's unfinished requests, free their blocks
             raise
+        finally:
+            for seq in seqs:
+                self.streams.pop(seq.seq_id, None)
 
     def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool) -> list[dict]:
         """Step until every one of seqs finishes; their outputs in order, each text decoded as
@@ -159,8 +285,9 @@ class LLMEngine:
                 bar.set_postfix_str(rates.update(batch), refresh=False)
                 for seq in finished:
                     if seq.seq_id in ids:
-                        texts[seq.seq_id] = self.tokenizer.decode(seq.output_token_ids,
-                                                                  skip_special_tokens=True)
+                        text = self.streams.get(seq.seq_id)  # with stop strings: cut there
+                        texts[seq.seq_id] = text.text if text else self.tokenizer.decode(
+                            seq.output_token_ids, skip_special_tokens=True)
                         bar.update(1)
             if self.overlap is not None:
                 self.overlap.finish()  # a step launched for sequences that turned out finished
@@ -170,6 +297,7 @@ class LLMEngine:
             bar.close()
         return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids,
                  "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}
+                | ({"logprobs": seq.logprobs} if seq.params.logprobs is not None else {})
                 for seq in seqs]
 
     # ---- lifetime -----------------------------------------------------------------------------

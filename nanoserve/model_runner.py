@@ -10,6 +10,7 @@ Invariant: the KV cache is sized once, at start-up, before any request is admitt
 Called by: llm_engine (run, shutdown), overlap (run with input ids on the device).
 """
 import gc
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,9 @@ from nanoserve.weights import load_weights
 CASCADE_MIN_SEQS = 32  # cascade attention from this decode batch size on (it costs at tiny ones)
 CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on the CPU when num_kvcache_blocks is not given: 1 GiB
 KEY_LIMIT = 1 << 63  # sampling keys are int64 >= 0
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper and newer
+
+logger = logging.getLogger("nanoserve")
 
 
 def sampling_key(seed: int, position: int) -> int:
@@ -60,11 +64,23 @@ class StepOutput:
     token_ids: Tensor  # (S,) int64 on the device
     host: Tensor  # (S,) int64 on the host, pinned on CUDA
     copied: torch.cuda.Event | None = None  # recorded after the copy; None on CPU
+    # with SamplingParams(logprobs=k) in the batch, on the host: each row's k (None: not asked),
+    # and the sampled token's log-probability (S,), the top ids (S, K) and theirs (S, K)
+    logprob_ks: list[int | None] | None = None
+    logprobs: tuple[Tensor, Tensor, Tensor] | None = None
 
     def tolist(self) -> list[int]:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host.tolist()
+
+    def logprob_dicts(self) -> list[dict[int, float] | None] | None:
+        """Per row: {sampled token: its logprob, then the k likeliest: theirs}, or None."""
+        if self.logprobs is None:
+            return None
+        tokens, (chosen, ids, values) = self.tolist(), (t.tolist() for t in self.logprobs)
+        return [None if k is None else {t: c} | dict(zip(i[:k], v[:k]))
+                for k, t, c, i, v in zip(self.logprob_ks, tokens, chosen, ids, values)]
 
 
 def common_prefix_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
@@ -126,7 +142,8 @@ class ModelRunner:
         """Size the paged KV cache from the memory a worst-case forward pass leaves, allocate it."""
         layers = self.model.attention_layers()
         block = (self.block_size, layers[0].num_kv_heads, layers[0].head_dim)  # (B, Hkv, D)
-        block_bytes = 2 * len(layers) * int(np.prod(block)) * self.config.torch_dtype.itemsize
+        kv_dtype = self._kv_cache_dtype()
+        block_bytes = 2 * len(layers) * int(np.prod(block)) * kv_dtype.itemsize
         if (num_blocks := self.config.num_kvcache_blocks) is None:
             num_blocks = self._measure_num_blocks(block_bytes)
             if self.config.tensor_parallel_size > 1:  # every rank must agree on the block count
@@ -136,10 +153,27 @@ class ModelRunner:
             self.config.check_kvcache_fits(num_blocks, block_bytes)
             self.config.num_kvcache_blocks = num_blocks
         # (2, layers, num_blocks, B, Hkv, D): K and V of every layer, allocated at once
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, *block,
-                                    dtype=self.config.torch_dtype, device=self.device)
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, *block, dtype=kv_dtype,
+                                    device=self.device)
+        if self.rank == 0:
+            logger.info(f"KV cache: {num_blocks} blocks of {self.block_size} tokens, "
+                        f"{num_blocks * block_bytes / 2**30:.2f} GiB "
+                        f"({block_bytes // self.block_size:,} bytes per token), {kv_dtype}")
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The model's dtype, or fp8 e4m3 with kv_cache_dtype="fp8": K and V stored as they are
+        (per-tensor scale 1, as vLLM's default), rounded to 3 mantissa bits, saturating at +-448;
+        half the bytes of bf16, so twice the blocks fit. docs/performance.md measures the values'
+        range and what the rounding costs in accuracy."""
+        if self.config.kv_cache_dtype != "fp8":
+            return self.config.torch_dtype
+        if (self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < FP8_MIN_CAPABILITY):
+            raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
+                             "(Ada, Hopper): use kv_cache_dtype='auto' on this one")
+        return torch.float8_e4m3fn
 
     def _measure_num_blocks(self, block_bytes: int) -> int:
         if self.device.type == "cpu":
@@ -280,8 +314,23 @@ class ModelRunner:
         token_ids = self.sampler(logits, temperatures, keys, top_ks, top_ps)  # (S,) int64
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
         host = token_ids.to("cpu", non_blocking=True)
-        copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-        return StepOutput(token_ids, host, copied)
+        out = StepOutput(token_ids, host)
+        if any(p.logprobs is not None for p in params):  # else no cost at all
+            out.logprob_ks = [p.logprobs for p in params]
+            out.logprobs = self.logprobs(logits, token_ids, max(filter(None, out.logprob_ks),
+                                                                default=0))
+        if self.device.type == "cuda":  # after every copy to the host
+            out.copied = torch.cuda.current_stream().record_event()
+        return out
+
+    @staticmethod
+    def logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The model's log-probabilities (before temperature and top-k/p, as vLLM reports them)
+        of the sampled tokens and of each row's k likeliest, copied to the host without waiting."""
+        logprobs = logits.float().log_softmax(-1)  # (S, V)
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
+        top = logprobs.topk(k, -1)  # (S, k) each
+        return tuple(t.to("cpu", non_blocking=True) for t in (chosen, top.indices, top.values))
 
     def run(self, batch: Batch, input_ids: Tensor | None = None) -> StepOutput:
         """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns

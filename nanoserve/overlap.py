@@ -32,7 +32,7 @@ class OverlapLoop:
         try:
             out = out or self.model_runner.run(batch)  # launched now, if it was not ahead
             self._launch_next(batch, out)
-            return self._postprocess(batch, out.tolist()), batch
+            return self._postprocess(batch, out), batch
         except BaseException:  # neither step will be postprocessed
             self.cancel()  # the later one first, so the prompts keep their order
             self.cancel(batch)
@@ -80,7 +80,8 @@ class OverlapLoop:
             bm.append_slot(seq)
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
-    def _postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
+    def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
+        token_ids, logprobs = out.tolist(), out.logprob_dicts()
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING and not seq.is_finished:
                 seq.token_ids.pop()  # the real token (postprocess appends it) replaces it
@@ -89,13 +90,14 @@ class OverlapLoop:
             batch = Batch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
                           batch.is_prefill)
             token_ids = [token_ids[i] for i in kept]
-        return self.scheduler.postprocess(batch, token_ids)
+            logprobs = logprobs and [logprobs[i] for i in kept]
+        return self.scheduler.postprocess(batch, token_ids, logprobs)
 
     def finish(self) -> None:
         """Postprocess the step in flight (launched for sequences that turned out finished)."""
         if self.ahead is not None:
             (batch, out), self.ahead = self.ahead, None
-            self._postprocess(batch, out.tolist())
+            self._postprocess(batch, out)
 
     def cancel(self, batch: Batch | None = None) -> None:
         """Forget a step that will never be postprocessed (by default the one in flight)."""

@@ -95,16 +95,22 @@ class Scheduler:
         self.block_manager.free(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
-        """Record the step's progress and sampled tokens; return the sequences that finished."""
+    def postprocess(self, batch: Batch, token_ids: list[int],
+                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
+        """Record the step's progress and sampled tokens (and their logprobs, where asked for);
+        return the sequences that finished."""
         finished = []
-        for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, token_ids):
+        logprobs = logprobs or [None] * len(token_ids)
+        for seq, num_new, token_id, lp in zip(batch.seqs, batch.num_new_tokens, token_ids,
+                                              logprobs):
             seq.num_computed_tokens += num_new
             self.block_manager.register_blocks(seq, seq.num_computed_tokens)
             self.block_manager.mark_computed(seq, num_new)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token is sampled until the whole prompt is cached
             seq.append_token(token_id)
+            if lp is not None:
+                seq.logprobs.append(lp)
             seq.finish_reason = self._finish_reason(seq, token_id)
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
@@ -131,10 +137,12 @@ class Scheduler:
                 self.waiting.appendleft(seq)
             self.block_manager.forget_uncomputed(seq)
 
-    def abort(self, seqs: list[Sequence]) -> None:
-        """Drop unfinished sequences from the queues and free their blocks."""
+    def abort(self, seqs: list[Sequence], reason: str = "abort") -> None:
+        """Finish unfinished sequences now: out of the queues, their blocks freed. One in a step
+        still in flight (overlap) is dropped from that step's postprocessing, as finished."""
         for seq in [seq for seq in seqs if not seq.is_finished]:
             for queue in (self.waiting, self.running):
                 if seq in queue:
                     queue.remove(seq)
             self.block_manager.free(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

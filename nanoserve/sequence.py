@@ -31,7 +31,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of the prompt, tokens served by the prefix cache
         self.num_hashed_blocks = 0  # leading full blocks already registered in the prefix cache
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # "stop", "length", or "abort"
+        self.logprobs: list[dict[int, float]] = []  # per output token, with SamplingParams.logprobs
 
     @property
     def num_tokens(self) -> int:

@@ -331,6 +331,9 @@ class FakeOutput:
             raise RuntimeError("simulated failure")
         return self.token_ids.tolist()
 
+    def logprob_dicts(self) -> None:
+        return None  # no request asks for logprobs
+
 
 class FakeRunner:
     """ModelRunner's interface without a model: at launch, each sequence's span is derived as
