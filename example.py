@@ -3,9 +3,9 @@ generate.
 
     python example.py                      # packaged default SmolLM2-135M-Instruct, CPU or GPU
     python example.py --model DIR --temperature 0.7 --max-tokens 256 --trace
+    python example.py --timeline timeline.png  # a picture of the run: requests x engine steps
 """
 import argparse
-import logging
 
 from nanoserve import LLM, SamplingParams
 
@@ -25,17 +25,19 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--trace", action="store_true", help="log one line per engine step")
+    parser.add_argument("--timeline", metavar="PATH",
+                        help="draw the run (requests x engine steps) to this image, e.g. a .png")
     args = parser.parse_args()
-    if args.trace:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
-    with LLM(args.model, trace=args.trace) as llm:
+    with LLM(args.model, trace=args.trace, timeline=args.timeline is not None) as llm:
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    tokenize=False, add_generation_prompt=True)
                  for p in PROMPTS]
         params = SamplingParams(temperature=args.temperature, top_p=0.95,
                                 max_tokens=args.max_tokens)
         outputs = llm.generate(chats, params)
+        if args.timeline:
+            llm.timeline.plot(args.timeline)
     for prompt, out in zip(PROMPTS, outputs):
         n = len(out["token_ids"])
         print(f"\n>>> {prompt}\n{out['text'].strip()}\n[{n} tokens, {out['finish_reason']}]")

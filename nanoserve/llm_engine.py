@@ -10,6 +10,7 @@ Invariant: after generate() returns or raises, no sequence of that call is left 
 import atexit
 import logging
 import numbers
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import suppress
@@ -30,6 +31,26 @@ from nanoserve.timeline import Timeline
 from nanoserve.weights import default_model_dir
 
 logger = logging.getLogger("nanoserve")
+
+
+class TqdmHandler(logging.Handler):
+    """Prints log records with tqdm.write, which clears a progress bar's line first and draws the
+    bar again below: a trace line never shares a line with the bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def show_trace() -> None:
+    """Let the trace through without the program configuring logging: the `nanoserve` logger
+    passes INFO unless the program set its level, and prints to stderr through a TqdmHandler
+    unless a handler of the program's (or pytest's) would already print it."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():
+        handler = TqdmHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
 
 
 @dataclass
@@ -111,6 +132,8 @@ class LLMEngine:
                         if self.config.overlap_scheduling and self.workers is None else None)
         self.streams: dict[int, TextStream] = {}  # seq_id -> its text, for streams and stops
         self.timeline = Timeline(self.config, self.scheduler) if self.config.timeline else None
+        if self.config.trace:  # (or NANOSERVE_TRACE=1) after start-up, whose INFO lines it skips
+            show_trace()
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}
@@ -161,6 +184,9 @@ class LLMEngine:
         """Finish a request now (its client went away): its blocks are free at once."""
         self.scheduler.abort([seq])
         self.streams.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
 
     def stream_step(self) -> list[RequestOutput]:
         """Run one step; return what it added to each streamed request (new tokens, new text)."""

@@ -25,18 +25,22 @@ from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-# a request's cell in a step; 0: none (not arrived, finished, or running but not in a prefill step)
-WAITING, CHUNK, PREFILL, RECOMPUTE, DECODE, PREEMPTED = range(1, 7)
+# a request's cell in a step (0: none, before it arrived or after it finished). IDLE: running,
+# but not in the batch: a prefill step (prompts go first), or a decode already at max_num_seqs
+WAITING, CHUNK, PREFILL, RECOMPUTE, DECODE, IDLE, PREEMPTED = range(1, 8)
 LEGEND = {WAITING: ("waiting", "#d9d9d9"), CHUNK: ("prefill chunk", "#9ecae1"),
           PREFILL: ("prefill (last chunk)", "#2171b5"), RECOMPUTE: ("recompute", "#fd8d3c"),
-          DECODE: ("decode", "#41ab5d"), PREEMPTED: ("preempted", "#cb181d")}
+          DECODE: ("decode", "#41ab5d"), IDLE: ("running, not in the batch", "#e5f5e0"),
+          PREEMPTED: ("preempted", "#cb181d")}
 
 
 @dataclass
 class Row:
-    """One request. cells[step] says what that step did to it; waiting is drawn, not stored."""
+    """One request. cells[step] says what that step did to it; the gaps between cells (waiting,
+    idle) are not stored but drawn by Timeline.grid."""
     seq_id: int
     num_prompt_tokens: int
     arrival: int  # the first step after which it was in a queue or a batch
@@ -74,7 +78,8 @@ class Timeline:
         for queue in (sched.waiting, sched.running):
             for seq in takewhile(lambda s: s.seq_id not in self.rows, reversed(queue)):
                 self._row(seq, step)
-        # a step's preemptions all happen while it is scheduled, each to the front of `waiting`
+        # since the last column, only this batch's scheduling preempted (schedule_decode), each
+        # sequence to the front of `waiting`
         for seq in islice(sched.waiting, sched.num_preemptions - self.num_preemptions):
             row = self._row(seq, step)
             row.cells[step], row.num_tokens = PREEMPTED, seq.num_tokens
@@ -86,7 +91,8 @@ class Timeline:
                                len(bm.blocks) - bm.num_free_blocks, len(sched.waiting)))
 
     def _row(self, seq: Sequence, step: int) -> Row:
-        if seq.seq_id not in self.rows:  # first seen at its first prefill at the latest
+        # seen at its first prefill at the latest: until then, its tokens are its prompt
+        if seq.seq_id not in self.rows:
             n = seq.num_prompt_tokens
             self.rows[seq.seq_id] = Row(seq.seq_id, n, step, num_tokens=n)
         return self.rows[seq.seq_id]
@@ -100,15 +106,16 @@ class Timeline:
         return RECOMPUTE if PREEMPTED in row.cells.values() else PREFILL if done else CHUNK
 
     def grid(self) -> tuple[list[Row], np.ndarray]:
-        """The rows in arrival order and their cells as codes (R, T), waiting filled in: between
-        arrival and the first prefill chunk, and between a preemption and the recompute."""
+        """The rows in arrival order and their cells as codes (R, T), the gaps filled in: WAITING
+        from arrival to the first prefill chunk and from a preemption to the recompute, IDLE
+        elsewhere until the finish."""
         rows = sorted(self.rows.values(), key=lambda row: row.seq_id)
         grid = np.zeros((len(rows), len(self.steps)), np.int8)  # (R, T)
         for i, row in enumerate(rows):
             waiting, end = True, len(self.steps) if row.finish is None else row.finish + 1
             for t in range(row.arrival, end):
                 cell = row.cells.get(t, 0)
-                grid[i, t] = cell or (WAITING if waiting else 0)
+                grid[i, t] = cell or (WAITING if waiting else IDLE)
                 waiting = cell == PREEMPTED if cell else waiting
         return rows, grid
 
@@ -118,31 +125,38 @@ class Timeline:
         return (f"{Path(c.model).name} on {c.device}, tp={c.tensor_parallel_size}: "
                 f"{len(self.rows)} requests in {len(self.steps)} steps\n{len(bm.blocks)} KV blocks"
                 f" of {bm.block_size} tokens, max_num_batched_tokens={c.max_num_batched_tokens}, "
-                f"max_num_seqs={c.max_num_seqs}, prefix caching {c.enable_prefix_caching}, "
-                f"overlap {overlap}")
+                f"max_num_seqs={c.max_num_seqs}, enable_prefix_caching={c.enable_prefix_caching}"
+                f", overlap_scheduling={overlap}")
 
     def plot(self, path: str | Path) -> "Figure":
         """Draw the run and save it to path (the format by its suffix); return the figure."""
         # imported here: the engine itself never needs matplotlib. A bare Figure, not pyplot:
         # savefig draws it with Agg, so no display and no global state
-        from matplotlib.colors import to_rgba_array
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-        rows, grid = self.grid()
-        height = min(9.0, max(2.5, 0.3 * len(rows)))  # of the requests' panel, in inches
+        height = min(9.0, max(2.5, 0.3 * len(self.rows)))  # of the requests' panel, in inches
         fig = Figure(figsize=(13, height + 5), layout="constrained")
         ax, kv, tok, bs = fig.subplots(4, 1, sharex=True, height_ratios=[height, 1, 1, 1])
-        # requests: a cell per step, a star on each prefix-cache hit, a bar at each finish
-        colors = to_rgba_array(["white"] + [color for _, color in LEGEND.values()])  # by code
+        self._draw_requests(ax)
+        self._draw_steps(kv, tok, bs)
+        fig.suptitle(self.title())
+        fig.savefig(path, dpi=100)
+        return fig
+
+    def _draw_requests(self, ax: "Axes") -> None:
+        """A cell per request and step, a star on each prefix-cache hit, a bar at each finish."""
+        from matplotlib.colors import to_rgba_array
+        from matplotlib.patches import Patch
+        rows, grid = self.grid()
+        colors = to_rgba_array(["white"] + [LEGEND[code][1] for code in sorted(LEGEND)])
         ax.pcolormesh(np.arange(grid.shape[1] + 1) - 0.5, np.arange(len(rows) + 1) - 0.5,
                       colors[grid], edgecolors="white", linewidth=0.5 if grid.size < 20000 else 0)
         hits = [(t, i, n) for i, row in enumerate(rows) for t, n in row.hits.items()]
         ends = [(row.finish, i) for i, row in enumerate(rows) if row.finish is not None]
         handles = [Patch(color=color, label=label) for label, color in LEGEND.values()]
-        handles.append(ax.scatter([h[0] for h in hits], [h[1] for h in hits], 90, "gold", "*",
-                                  edgecolors="black", label="prefix-cache hit"))
-        handles.append(ax.scatter([e[0] for e in ends], [e[1] for e in ends], 120, "black", "|",
-                                  label="finish"))
+        handles.append(ax.scatter([h[0] for h in hits], [h[1] for h in hits], 90, "gold",
+                                  marker="*", edgecolors="black", label="prefix-cache hit"))
+        handles.append(ax.scatter([e[0] for e in ends], [e[1] for e in ends], 120, "black",
+                                  marker="|", label="finish"))
         if len(rows) <= 40:  # few enough to label each row and each hit
             ax.set_yticks(range(len(rows)), [f"#{r.seq_id} ({r.num_prompt_tokens} tok)"
                                              for r in rows])
@@ -151,20 +165,20 @@ class Timeline:
         ax.invert_yaxis()
         ax.set_ylabel("request (prompt tokens)")
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1))
-        # per step: KV blocks, tokens, batch size
-        steps = np.arange(len(self.steps))  # (T,)
+
+    def _draw_steps(self, kv: "Axes", tok: "Axes", bs: "Axes") -> None:
+        """Per step, as stairs over the requests' cells: KV blocks, tokens, batch size."""
+        edges = np.arange(len(self.steps) + 1) - 0.5  # (T + 1,)
         is_prefill, num_seqs, num_tokens, num_used, num_waiting = (
             np.array(self.steps, int).reshape(-1, len(Step._fields)).T)  # each (T,)
-        kv.fill_between(steps, num_used, step="mid", color="#807dba", label="in use")
+        kv.stairs(num_used, edges, fill=True, color="#807dba", label="in use")
         kv.axhline(len(self.scheduler.block_manager.blocks), color="black", ls="--", label="total")
-        tok.bar(steps, num_tokens * is_prefill, 1.0, color=LEGEND[PREFILL][1], label="prefill")
-        tok.bar(steps, num_tokens * (1 - is_prefill), 1.0, color=LEGEND[DECODE][1], label="decode")
-        bs.step(steps, num_seqs, where="mid", label="batch size")
-        bs.step(steps, num_waiting, where="mid", color="grey", label="waiting")
+        for label, kind, tokens in (("prefill", PREFILL, num_tokens * is_prefill),
+                                    ("decode", DECODE, num_tokens * (1 - is_prefill))):
+            tok.stairs(tokens, edges, fill=True, color=LEGEND[kind][1], label=label)
+        bs.stairs(num_seqs, edges, label="batch size", lw=1.5)
+        bs.stairs(num_waiting, edges, color="grey", label="waiting", lw=1.5)
         for panel, label in ((kv, "KV blocks"), (tok, "tokens / step"), (bs, "requests")):
             panel.set_ylabel(label)
             panel.legend(loc="upper left", bbox_to_anchor=(1.005, 1))
         bs.set_xlabel("engine step (the batch postprocessed)")
-        fig.suptitle(self.title())
-        fig.savefig(path, dpi=100)
-        return fig

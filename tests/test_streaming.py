@@ -17,7 +17,7 @@ QUESTIONS = [
     "Say hello in Japanese and Chinese characters.",  # multi-byte characters span tokens
     "List three primary colors.",
 ]
-GREEDY = SamplingParams(temperature=0, max_tokens=40, logprobs=3)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_logprobs_match_transformers(llm, prompts):
 
 def test_stop_strings_cut_the_text_streamed_or_not(llm, prompts):
     full = llm.generate(prompts, GREEDY, use_tqdm=False)
-    stop = SamplingParams(temperature=0, max_tokens=40, stop=("Paris", "sea,", "Blue"))
+    stop = SamplingParams(temperature=0, max_tokens=32, stop=("Paris", "sea,", "Blue"))
     cut = llm.generate(prompts, stop, use_tqdm=False)
     for whole, out in zip(full, cut):
         hits = [whole["text"].find(s) for s in stop.stop if s in whole["text"]]

@@ -68,9 +68,11 @@ def module_rows() -> list[Row]:
 
 
 def split_rows(exclude: list[str]) -> tuple[list[Row], list[Row]]:
-    """(rows inside the budget, excluded rows); NAME matches "server", "server.py" or a path."""
+    """(rows inside the budget, excluded rows); NAME matches "server", "server.py", a path, or a
+    sub-package's folder ("server" holds "server/app.py")."""
     def excluded(row: Row) -> bool:
-        return row.name in exclude or row.name.removesuffix(".py") in exclude
+        name = row.name.removesuffix(".py")
+        return row.name in exclude or any(name == x or name.startswith(f"{x}/") for x in exclude)
     rows = module_rows()
     return [r for r in rows if not excluded(r)], [r for r in rows if excluded(r)]
 
@@ -81,8 +83,12 @@ def table(exclude: list[str]) -> str:
     lines += [f"| `{r.name}` | {r.code} | {r.total} | {r.summary} |" for r in counted]
     lines.append(f"| **total** | **{sum(r.code for r in counted)}** | "
                  f"**{sum(r.total for r in counted)}** | budget: {BUDGET} code lines |")
-    lines += [f"| `{r.name}` | {r.code} | {r.total} | outside the budget: {r.summary} |"
-              for r in apart]
+    for name in dict.fromkeys(r.name.partition("/")[0] for r in apart):  # a package: one row
+        rows = [r for r in apart if r.name.partition("/")[0] == name]
+        summary = next((r.summary for r in rows if r.name.endswith("__init__.py")), rows[0].summary)
+        shown = name + ("/" if len(rows) > 1 else "")
+        lines.append(f"| `{shown}` | {sum(r.code for r in rows)} | {sum(r.total for r in rows)} "
+                     f"| outside the budget: {summary} |")
     return "\n".join(lines)
 
 
