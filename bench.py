@@ -24,12 +24,14 @@ Roofline: a decode step is memory-bound; it reads every weight once plus the KV 
 running sequence. We simulate the ideal schedule (all requests decode together, up to
 max_num_seqs), add up the bytes of its steps and divide by HBM bandwidth: a lower bound on decode
 time. "roof" = achieved tokens/s / bound tokens/s. Prefill is in the wall time but not in the
-bound, so 100% is out of reach. On w2 each sequence reads its own copy of the prefix's KV.
+bound, so 100% is out of reach. On w2 each sequence reads its own copy of the prefix's KV. The KV
+bytes are the cache's: 1 per value with --kv-cache-dtype fp8, whose rows have their own bound.
 
 Output: a table, --json (rows and the run's conditions) and --plot (a bar chart). CPU mode (--cpu,
 or no CUDA) runs the packaged default model on small workloads, without a roofline.
   python bench.py                                     # GPU: w1 + w2, nanoserve + both HF peers
   python bench.py --cpu --engines nanoserve,hf        # a few minutes on a laptop CPU
+  python bench.py --engines nanoserve --kv-cache-dtype auto,fp8   # nanoserve with each KV cache
   python bench.py --plot-from a.json,b.json --plot bench.png   # redraw saved results, merged
 The HF peers take minutes on w1: split a long run with --engines/--workload, one --json each.
 """
@@ -37,6 +39,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import logging
 import os
 import random
 import struct
@@ -196,17 +199,26 @@ def nanoserve_params(wl: Workload) -> list:
 
 @contextlib.contextmanager
 def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, device: str,
-                     prefix_caching: bool = True) -> Iterator[Generate]:
-    """nanoserve's LLM, given all of a workload's requests at once."""
+                     prefix_caching: bool = True,
+                     kv_cache_dtype: str = "auto") -> Iterator[Generate]:
+    """nanoserve's LLM, given all of a workload's requests at once. The first one the bench
+    starts records its timed run for --timeline (the recording's host time is in that run)."""
     from nanoserve import LLM
+    from nanoserve.timeline import Timeline
+    timeline_path = vars(args).pop("timeline", None)  # taken: later nanoserve runs record nothing
     max_len = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
     with LLM(model_dir, enforce_eager=args.eager, enable_prefix_caching=prefix_caching,
              tensor_parallel_size=args.tp, max_model_len=max(MIN_MODEL_LEN, max_len),
-             device=device) as llm:
+             device=device, kv_cache_dtype=kv_cache_dtype) as llm:
         def generate(w: Workload) -> list[int]:
+            if timeline_path and w is wl:  # the timed run, not its warm-up
+                llm.timeline = Timeline(llm.config, llm.scheduler)
             outs = llm.generate(w.prompts, nanoserve_params(w), use_tqdm=False)
             return [len(o["token_ids"]) for o in outs]
         yield generate
+        if llm.timeline is not None:  # drawn after the timing
+            llm.timeline.plot(timeline_path)
+            log(f"wrote {timeline_path}")
 
 
 def load_hf_model(model_dir: str, attn_implementation: str, device: str) -> "PreTrainedModel":
@@ -335,13 +347,21 @@ ENGINES: dict[str, EngineFactory] = {"nanoserve": nanoserve_engine, "hf-cb": hf_
                                      "hf": hf_engine}
 
 
-def engines_for(wl: Workload, names: list[str]) -> list[tuple[str, EngineFactory]]:
-    """The engines to run on wl; on w2 nanoserve runs twice, prefix caching on and off."""
+def engines_for(wl: Workload, names: list[str],
+                kv_dtypes: tuple[str, ...] = ("auto",)) -> list[tuple[str, EngineFactory]]:
+    """The engines to run on wl; nanoserve once per KV cache dtype (named nanoserve-fp8 with fp8),
+    and on w2 each twice, prefix caching on and off (-nocache)."""
     runners = []
     for name in names:
-        runners.append((name, ENGINES[name]))
-        if name == "nanoserve" and wl.name == "w2":
-            runners.append(("nanoserve-nocache", partial(nanoserve_engine, prefix_caching=False)))
+        if name != "nanoserve":
+            runners.append((name, ENGINES[name]))
+            continue
+        for kv in kv_dtypes:
+            kv_name = name if kv == "auto" else f"{name}-{kv}"
+            runners.append((kv_name, partial(nanoserve_engine, kv_cache_dtype=kv)))
+            if wl.name == "w2":
+                runners.append((f"{kv_name}-nocache",
+                                partial(nanoserve_engine, prefix_caching=False, kv_cache_dtype=kv)))
     return runners
 
 
@@ -358,6 +378,7 @@ class Row:
     roofline_fraction: float | None = None
     note: str = ""                         # the error of a failed engine, or a warning
     gpu_during: str | None = None          # nvidia-smi samples over the run (gpu_monitor)
+    kv_cache_dtype: str = "auto"           # nanoserve's KV cache: "auto" (the model's) or "fp8"
 
 
 def synchronize(device: str) -> None:
@@ -386,7 +407,8 @@ def short_tokens(lengths: list[int], wanted: list[int]) -> str:
 def run_engine(name: str, factory: EngineFactory, model_dir: str, wl: Workload,
                args: argparse.Namespace, device: str) -> Row:
     """One engine on one workload. A failing engine becomes a row with its error, not a dead run."""
-    row = Row(wl.name, name, len(wl.prompts), wl.output_tokens)
+    row = Row(wl.name, name, len(wl.prompts), wl.output_tokens,
+              kv_cache_dtype=getattr(factory, "keywords", {}).get("kv_cache_dtype", "auto"))
     log(f"-- {wl.name} / {name}: {row.requests} requests, {row.output_tokens:,} output tokens")
     try:
         with gpu_monitor(device) as samples:
@@ -414,16 +436,18 @@ HBM_BANDWIDTH = [("GH200", 4.0e12), ("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H
                  ("L40", 0.864e12), ("L4", 0.3e12), ("A10", 0.6e12), ("RTX 4090", 1.008e12),
                  ("RTX 3090", 0.936e12), ("V100", 0.9e12), ("T4", 0.32e12)]
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+KV_CACHE_BYTES = {"fp8": 1}  # bytes per K/V value of a --kv-cache-dtype; "auto": the model's
 
 
 def gpu_bandwidth(device_name: str) -> float | None:
     return next((bw for key, bw in HBM_BANDWIDTH if key in device_name), None)
 
 
-def kv_bytes_per_token(cfg: dict) -> int:
-    """K and V, every layer: 2 * layers * Hkv * D * dtype bytes."""
+def kv_bytes_per_token(cfg: dict, kv_cache_dtype: str = "auto") -> int:
+    """K and V, every layer: 2 * layers * Hkv * D * the cache's bytes per value."""
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype_bytes = DTYPE_BYTES[cfg.get("dtype") or cfg.get("torch_dtype")]
+    dtype_bytes = KV_CACHE_BYTES.get(kv_cache_dtype) or DTYPE_BYTES[cfg.get("dtype")
+                                                                    or cfg.get("torch_dtype")]
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
@@ -465,12 +489,14 @@ def roofline_tokens_per_s(wl: Workload, w_bytes: int, kv_bytes: int,
     return wl.output_tokens / seconds
 
 
-def fill_ratios(rows: list[Row], bound: float | None) -> None:
-    """Ratios against nanoserve (prefix caching on) on the same workload, and the roofline."""
+def fill_ratios(rows: list[Row], bounds: dict[str, float | None]) -> None:
+    """Ratios against nanoserve (prefix caching on) on the same workload, and the roofline of each
+    row's KV cache dtype."""
     base = next((r.tokens_per_s for r in rows if r.engine == "nanoserve"), None)
     for r in rows:
         if r.tokens_per_s:
             r.ratio = r.tokens_per_s / base if base else None
+            bound = bounds.get(r.kv_cache_dtype)
             r.roofline_fraction = r.tokens_per_s / bound if bound else None
 
 
@@ -479,7 +505,7 @@ def fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "-" if x is None else format(x, spec) + suffix
 
 
-TABLE_COLUMNS = [("workload", 8), ("engine", 17), ("requests", 8), ("out tokens", 10),
+TABLE_COLUMNS = [("workload", 8), ("engine", 21), ("requests", 8), ("out tokens", 10),
                  ("seconds", 8), ("tokens/s", 10), ("vs nanoserve", 12), ("roof", 6)]
 
 
@@ -508,11 +534,14 @@ def load_results(paths: list[str]) -> tuple[list[dict], list[dict]]:
 
 # ----------------------------------------------------------------------------- chart
 ENGINE_NAMES = {"nanoserve": "nanoserve", "nanoserve-nocache": "nanoserve,\nno prefix caching",
+                "nanoserve-fp8": "nanoserve,\nfp8 KV cache",
+                "nanoserve-fp8-nocache": "nanoserve, fp8 KV cache,\nno prefix caching",
                 "hf-cb": "HF-CB\n(continuous batching)",
                 "hf": "HF static\n(generate, static batches)"}
 PEER_NAMES = {"hf-cb": "HF-CB", "hf": "HF static"}     # nanoserve's bars state a ratio to each
 ENGINE_COLORS = {"nanoserve": "tab:blue", "nanoserve-nocache": "#9ecae1", "hf-cb": "tab:green",
-                 "hf": "tab:orange"}
+                 "hf": "tab:orange", "nanoserve-fp8": "tab:purple",
+                 "nanoserve-fp8-nocache": "#bcbddc"}
 CHART_WIDTH_IN, BAR_HEIGHT_IN, TITLE_HEIGHT_IN = 11, 0.55, 1.6
 CHART_DPI = 120
 X_MIN_FACTOR = 0.3     # the log axis starts a bit below the slowest bar
@@ -626,10 +655,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="CPU mode (automatic without CUDA)")
     p.add_argument("--eager", action="store_true", help="nanoserve without CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="nanoserve tensor-parallel size")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma list of auto, fp8: nanoserve runs once with each KV cache dtype")
     p.add_argument("--bandwidth", type=float,
                    help="HBM bytes/s per GPU for the roofline (default: by GPU name)")
     p.add_argument("--json", help="write rows, hardware, model and workloads to this file")
     p.add_argument("--plot", help="write a PNG bar chart of tokens/s")
+    p.add_argument("--timeline", metavar="PATH",
+                   help="draw the timeline (requests x engine steps) of nanoserve's first run: the "
+                        "first workload, prefix caching on, the first --kv-cache-dtype")
     p.add_argument("--plot-from",
                    help="run nothing: draw --plot from JSON file(s) of --json, comma-separated")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test
@@ -639,10 +673,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_names(args: argparse.Namespace) -> list[str]:
     """The engines asked for; unknown engine or workload names stop the run before it starts."""
     engines = args.engines.split(",")
-    unknown = (set(engines) - set(ENGINES)) | (set(args.workload.split(",")) - {"w1", "w2"})
+    unknown = ((set(engines) - set(ENGINES)) | (set(args.workload.split(",")) - {"w1", "w2"})
+               | (set(args.kv_cache_dtype.split(",")) - {"auto", "fp8"}))
     if unknown:
-        raise SystemExit(f"unknown engine or workload {sorted(unknown)}: use --engines "
-                         "nanoserve,hf-cb,hf and --workload w1,w2")
+        raise SystemExit(f"unknown engine, workload or KV cache dtype {sorted(unknown)}: use "
+                         "--engines nanoserve,hf-cb,hf, --workload w1,w2 and --kv-cache-dtype "
+                         "auto,fp8")
     return engines
 
 
@@ -671,17 +707,22 @@ def run_workload(wl: Workload, engines: list[str], model_dir: str, meta: dict,
     short still leaves the figures it has."""
     bandwidth = meta["bandwidth_bytes_per_s"]
     total_bw = bandwidth * args.tp if bandwidth else None    # with TP each GPU reads its shard
-    bound = roofline_tokens_per_s(wl, meta["model"]["weight_bytes"],
-                                  meta["model"]["kv_bytes_per_token"], total_bw)
+    kv_dtypes = tuple(args.kv_cache_dtype.split(","))
+    bounds = {kv: roofline_tokens_per_s(wl, meta["model"]["weight_bytes"],
+                                        kv_bytes_per_token(meta["model"], kv), total_bw)
+              for kv in {"auto", *kv_dtypes}}                # "auto" for the peers' rows
     meta["workloads"][wl.name] = {"description": wl.description, "requests": len(wl.prompts),
                                   "output_tokens": wl.output_tokens,
-                                  "roofline_tokens_per_s": bound}
-    log(f"\n== {wl.name}: {wl.description}; decode roofline {fmt(bound, ',.0f')} tokens/s")
+                                  "roofline_tokens_per_s": bounds["auto"]}
+    if "fp8" in bounds:
+        meta["workloads"][wl.name]["roofline_tokens_per_s_fp8"] = bounds["fp8"]
+    log(f"\n== {wl.name}: {wl.description}; decode roofline "
+        + ", ".join(f"{fmt(b, ',.0f')} tokens/s ({kv} KV cache)" for kv, b in bounds.items()))
     device = "cuda" if meta["hardware"].get("gpu") else "cpu"   # a GPU is named only when used
     rows: list[Row] = []
-    for name, factory in engines_for(wl, engines):
+    for name, factory in engines_for(wl, engines, kv_dtypes):
         rows.append(run_engine(name, factory, model_dir, wl, args, device))
-        fill_ratios(rows, bound)
+        fill_ratios(rows, bounds)
         if args.json:
             write_json(args.json, meta, done + rows)
     return rows
@@ -695,6 +736,8 @@ def main() -> None:
         return
     cpu = args.cpu or not torch.cuda.is_available()
     engines = check_names(args)
+    logging.basicConfig(format="%(name)s: %(message)s")   # nanoserve's start-up lines (KV cache)
+    logging.getLogger("nanoserve").setLevel(logging.INFO)
     meta, model_dir = describe_run(args, cpu)
     rows: list[Row] = []
     for wl in build_workloads(args, cpu):

@@ -241,7 +241,8 @@ class Attention(nn.Module):
                                         ctx.context_lens, self.scale,
                                         num_common_blocks=ctx.num_common_blocks)
         if ctx.context_slots is not None:  # prefix hits: the cached keys are not in k, v
-            k, v = kernels.gather_kv(self.k_cache, self.v_cache, ctx.context_slots)  # (Nk, Hkv, D)
+            # (Nk, Hkv, D), dequantized from an fp8 cache: the new tokens' K/V too, as decode reads
+            k, v = kernels.gather_kv(self.k_cache, self.v_cache, ctx.context_slots, q.dtype)
         return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
 

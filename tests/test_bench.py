@@ -51,6 +51,7 @@ def test_build_workloads_scales_and_keeps_defaults():
 def test_kv_bytes_per_token_qwen3_0_6b():
     cfg = {**bench.QWEN3_0_6B, "dtype": "bfloat16"}
     assert bench.kv_bytes_per_token(cfg) == 2 * 28 * 8 * 128 * 2 == 114_688
+    assert bench.kv_bytes_per_token(cfg, "fp8") == 114_688 // 2  # one byte per K/V value
     # no head_dim: hidden / heads
     smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                "num_hidden_layers": 30, "torch_dtype": "float32"}
@@ -171,10 +172,22 @@ def test_timing_runs_the_warmup_first_and_a_failure_becomes_a_row():
 
 def test_fill_ratios_against_nanoserve_and_the_roofline():
     rows = [bench.Row("w1", "nanoserve", 1, 1, tokens_per_s=200.0),
-            bench.Row("w1", "hf", 1, 1, tokens_per_s=50.0), bench.Row("w1", "hf-cb", 1, 1)]
-    bench.fill_ratios(rows, bound=400.0)
-    assert [r.ratio for r in rows] == [1.0, 0.25, None]
-    assert [r.roofline_fraction for r in rows] == [0.5, 0.125, None]
+            bench.Row("w1", "hf", 1, 1, tokens_per_s=50.0), bench.Row("w1", "hf-cb", 1, 1),
+            bench.Row("w1", "nanoserve-fp8", 1, 1, tokens_per_s=300.0, kv_cache_dtype="fp8")]
+    bench.fill_ratios(rows, {"auto": 400.0, "fp8": 600.0})  # each row against its cache's bound
+    assert [r.ratio for r in rows] == [1.0, 0.25, None, 1.5]
+    assert [r.roofline_fraction for r in rows] == [0.5, 0.125, None, 0.5]
+
+
+def test_nanoserve_runs_once_per_kv_cache_dtype():
+    w2 = bench.make_w2(num_seqs=2, prefix_len=16)
+    runners = bench.engines_for(w2, ["nanoserve", "hf"], ("auto", "fp8"))
+    assert [name for name, _ in runners] == ["nanoserve", "nanoserve-nocache", "nanoserve-fp8",
+                                             "nanoserve-fp8-nocache", "hf"]
+    wl = bench.make_w1(4, 10, 20, 2, 5)
+    row = bench.run_engine("nanoserve-fp8", runners[2][1], "no such model", wl,
+                           argparse.Namespace(), "cpu")
+    assert row.kv_cache_dtype == "fp8" and row.note.startswith("error")
 
 
 def test_build_tiny_random_qwen3(tmp_path):

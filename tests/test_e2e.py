@@ -281,3 +281,36 @@ def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_ou
         assert not llm.scheduler.has_unfinished() and bm.num_free_blocks == len(bm.blocks)
     assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
     assert other.output_token_ids == hf_outputs[2][:8]
+
+
+FP8_MEAN_LOGPROB_TOL = 0.08  # nats, mean over the tokens where the fp8 run still agrees
+NEAR_TIE = 0.2  # nats between two tokens of the full-precision model: either may win
+
+
+def test_fp8_kv_cache_stays_close(model_dir, prompts, hf_outputs):
+    """kv_cache_dtype="fp8" (e4m3, scale 1) against the full-precision cache, whose greedy tokens
+    are transformers' (test_greedy_matches_transformers), so transformers' logprobs of the fp8
+    run's tokens, teacher-forced, stand in for it. Over the tokens where both agree, the sampled
+    tokens' logprobs differ by at most FP8_MEAN_LOGPROB_TOL on average; a sequence parts only where
+    the full-precision model had a near-tie. tools/fp8_accuracy.py prints the figures."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    with LLM(model_dir, kv_cache_dtype="fp8") as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    deltas, identical = [], 0
+    for ids, out, ref in zip(prompts, outs, hf_outputs):
+        tokens = out["token_ids"]
+        with torch.no_grad():  # row i: the full-precision logprobs of the fp8 run's token i
+            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]
+        full = logits.log_softmax(-1)  # (T, V)
+        n = min(len(tokens), len(ref))
+        agree = next((i for i in range(n) if tokens[i] != ref[i]), n)
+        deltas += [abs(out["logprobs"][i][t] - float(full[i, t])) for i, t in
+                   enumerate(tokens[:agree])]
+        if agree < n:  # parted: the full-precision model's choice was barely ahead of fp8's
+            assert float(full[agree, ref[agree]] - full[agree, tokens[agree]]) < NEAR_TIE
+        identical += tokens[:16] == ref[:16]
+    mean = sum(deltas) / len(deltas)
+    print(f"fp8 KV cache: {identical}/{len(prompts)} sequences identical over 16 tokens, mean "
+          f"|delta logprob| {mean:.4f} over {len(deltas)} agreeing tokens")
+    assert mean <= FP8_MEAN_LOGPROB_TOL

@@ -21,6 +21,9 @@ LOGPROB_TOL = 0.5
 # nanoserve against itself: split counts, padding, chunking, TP reductions and cascade attention
 # change only the bf16 rounding (up to ~0.15: cascade vs plain decode, 40 seqs, qwen3 shape)
 SAME_ENGINE_TOL = 0.25
+# nats: an fp8 KV cache against bf16's, mean over agreeing tokens (0.12-0.16 measured; a bug costs
+# whole nats)
+FP8_MEAN_LOGPROB_TOL = 0.4
 SHAPES = {
     "qwen3": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -148,6 +151,38 @@ def test_prefix_hit_matches_no_hit(model_dir):
             hits = llm.scheduler.block_manager.stats["hit"]
         assert (hits >= 6 * 40) if caching else hits == 0
     assert_logprobs_close(*results[True], *results[False], tol=SAME_ENGINE_TOL)
+
+
+def test_fp8_kv_cache_close_to_bf16(model_dir):
+    """kv_cache_dtype="fp8" against the bf16 cache, through prefix-cache hits (prefill gathers the
+    cached K/V), cascade decode (40 sequences share 6 blocks) and CUDA graphs: twice the blocks in
+    the same memory, and logprobs close along the tokens where both runs agree. These random
+    models part at near-ties within a few tokens, so the check is the mean |delta logprob| of the
+    sampled tokens: 0.12-0.16 for both shapes (tools/fp8_accuracy.py, also on the CPU reference
+    path); a cache stored or read wrongly moves logprobs by whole nats."""
+    system = prompts(n=1, seed=2)[0][:5] * 20  # 100 shared tokens: 6 full blocks of 16
+    shared = [system + t[:40] for t in prompts(n=41, seed=9)]
+    results, blocks = {}, {}
+    for kv in ("auto", "fp8"):
+        with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024,
+                 kv_cache_dtype=kv) as llm:
+            record_logprobs(llm, shared[:1])  # computes and caches the shared prefix
+            results[kv] = record_logprobs(llm, shared[1:])
+            blocks[kv] = llm.config.num_kvcache_blocks
+            assert llm.model_runner.kv_cache.dtype == (torch.float8_e4m3fn if kv == "fp8"
+                                                       else torch.bfloat16)
+    assert 1.95 < blocks["fp8"] / blocks["auto"] < 2.05
+    deltas = []
+    for ids_a, lps_a, ids_b, lps_b in zip(*results["auto"], *results["fp8"]):
+        for tok_a, lp_a, tok_b, lp_b in zip(ids_a, lps_a, ids_b, lps_b):
+            if tok_a != tok_b:
+                break
+            deltas.append(abs(float(lp_a[tok_a] - lp_b[tok_b])))
+    assert deltas, "every sequence parted from bf16's at its first token"
+    mean = sum(deltas) / len(deltas)
+    print(f"fp8 KV cache: mean |delta logprob| {mean:.3f} over {len(deltas)} agreeing tokens; "
+          f"{blocks['fp8']} blocks against {blocks['auto']}")
+    assert mean < FP8_MEAN_LOGPROB_TOL
 
 
 def test_chunked_prefill_matches_whole(model_dir):

@@ -5,11 +5,14 @@ For each case (batch S, contexts drawn uniformly from lo-hi tokens, the batch un
 longest first, as the scheduler orders it), and each (tile tokens, pipeline stages, warps) setting,
 it times 20 calls captured in one CUDA graph and reports microseconds per call and the fraction of
 HBM bandwidth (the K/V bytes the call must read over its time). Qwen3-0.6B heads: 16 q / 8 KV, head
-dim 128, bf16, block 16. The sorted and unsorted cases draw their own context lengths from the same
+dim 128, bf16 queries, block 16; the cache in bf16, or fp8 (--kv-cache-dtype fp8, whose tile is
+DECODE_TILE_TOKENS_FP8). The sorted and unsorted cases draw their own context lengths from the same
 range, so compare their bandwidth fractions, not their microseconds.
 
-    python tools/sweep_decode.py      # writes $OUT/sweep.json (or ./sweep.json)
+    python tools/sweep_decode.py [--kv-cache-dtype bf16,fp8] [--sorted]
+    # writes $OUT/sweep.json (or ./sweep.json); --sorted: only the scheduler's order
 """
+import argparse
 import functools
 import json
 import os
@@ -27,11 +30,16 @@ NANOSERVE = (decode.DECODE_TILE_TOKENS, decode.DECODE_NUM_STAGES, decode.DECODE_
 CONFIGS = [NANOSERVE] + [c for c in [(64, 3, 4), (64, 2, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4),
                                      (32, 2, 4), (128, 2, 4), (128, 2, 8), (64, 3, 8), (32, 3, 2)]
                          if c != NANOSERVE]  # (tile tokens, stages, warps); nanoserve's first
+NANOSERVE_FP8 = (decode.DECODE_TILE_TOKENS_FP8, decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS)
+CONFIGS_FP8 = [NANOSERVE_FP8] + [c for c in [(64, 2, 4), (128, 2, 4), (64, 3, 4), (128, 3, 4)]
+                                 if c != NANOSERVE_FP8]  # 8 warps or 256 rows were far slower
+CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def make_case(S: int, lo: int, hi: int, sort: bool, num_blocks: int) -> tuple:
+def make_case(S: int, lo: int, hi: int, sort: bool, num_blocks: int,
+              value_bytes: int = 2) -> tuple:
     """q (S, H, D), block tables scattered over the cache, context lengths, and the K/V bytes to
-    read."""
+    read (value_bytes per cached value)."""
     lens = torch.randint(lo, hi + 1, (S,))
     if sort:
         lens = lens.sort(descending=True).values
@@ -39,7 +47,7 @@ def make_case(S: int, lo: int, hi: int, sort: bool, num_blocks: int) -> tuple:
     tables = torch.randperm(num_blocks, dtype=torch.int32)[:S * max_blocks]
     tables = tables.view(S, max_blocks).cuda()  # (S, max_blocks)
     q = torch.randn(S, H, D, device="cuda", dtype=torch.bfloat16)
-    return q, tables, lens.to(torch.int32).cuda(), int(lens.sum()) * Hkv * D * 2 * 2
+    return q, tables, lens.to(torch.int32).cuda(), int(lens.sum()) * Hkv * D * 2 * value_bytes
 
 
 def graph_time(fn, reps: int = 20) -> float:
@@ -61,29 +69,43 @@ def graph_time(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (2 * reps)
 
 
-def main() -> None:
+def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
+    """Every case and launch setting with a cache of dtype cache ("bf16" or "fp8")."""
     torch.manual_seed(0)
     num_blocks = 2 * 256 * 2048 // B + 64
-    # (num_blocks, B, Hkv, D), ~2 GB each: far past L2
-    k = torch.randn(num_blocks, B, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    results = []
+    # (num_blocks, B, Hkv, D), ~2 GB each in bf16: far past L2
+    k = torch.randn(num_blocks, B, Hkv, D, device="cuda").to(CACHE_DTYPES[cache])
+    v = torch.randn_like(k, dtype=torch.float32).to(CACHE_DTYPES[cache])
+    configs, tile_name = ((CONFIGS_FP8, "DECODE_TILE_TOKENS_FP8") if cache == "fp8"
+                          else (CONFIGS, "DECODE_TILE_TOKENS"))
     for S, lo, hi in CASES:
-        for sort in (False, True):
-            q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks)
+        for sort in sorts:
+            q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks, k.element_size())
             default = decode.default_num_splits(S, Hkv, tables.shape[1], q.device)
             for splits in sorted({default, 1, 2}):
-                for tile, stages, warps in CONFIGS if splits == default else CONFIGS[:1]:
+                for tile, stages, warps in configs if splits == default else configs[:1]:
                     # paged_decode reads its launch settings from these constants at each call
-                    decode.DECODE_TILE_TOKENS, decode.DECODE_NUM_STAGES = tile, stages
-                    decode.DECODE_NUM_WARPS = warps
+                    setattr(decode, tile_name, tile)
+                    decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS = stages, warps
                     t = graph_time(functools.partial(decode.paged_decode, q, k, v, tables, lens,
                                                      D ** -0.5, splits))
-                    row = dict(S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits, tile=tile,
-                               stages=stages, warps=warps, us=round(t * 1e6, 1),
+                    row = dict(cache=cache, S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits,
+                               tile=tile, stages=stages, warps=warps, us=round(t * 1e6, 1),
                                bw=round(nbytes / t / BANDWIDTH, 3))
                     print(row, flush=True)
                     results.append(row)
+    setattr(decode, tile_name, configs[0][0])
+    decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS = configs[0][1:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kv-cache-dtype", default="bf16", help="comma list of bf16, fp8")
+    p.add_argument("--sorted", action="store_true", help="only batches sorted longest first")
+    args = p.parse_args()
+    results: list[dict] = []
+    for cache in args.kv_cache_dtype.split(","):
+        sweep(cache, (True,) if args.sorted else (False, True), results)
     with open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w") as f:
         json.dump(results, f)
 

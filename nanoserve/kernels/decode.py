@@ -4,8 +4,8 @@ Owns the decode kernels, their split heuristics and launch settings, and paged_d
 plain-torch oracle they must match. Invariant: no host sync and a grid that depends only on shapes
 and arguments (never on context_lens or the prefix length), so the decode step can be captured in a
 CUDA graph. Called by layers.Attention; model_runner builds the block tables and counts the shared
-prefix. KV cache: (num_blocks, B, Hkv, D), slot = block_id * B + offset; GROUP = H // Hkv query
-heads share a KV head.
+prefix. KV cache: (num_blocks, B, Hkv, D), slot = block_id * B + offset, in the model's dtype or
+fp8 e4m3 (dequantized in registers); GROUP = H // Hkv query heads share a KV head.
 """
 
 import torch
@@ -19,6 +19,8 @@ from nanoserve.kernels.common import sm_count, use_triton
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is one instruction on the GPU
 # Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
 DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks): more bytes in flight per program
+DECODE_TILE_TOKENS_FP8 = 128  # an fp8 cache's rows are half the bytes: twice the rows, same bytes
+FP8_V_SCALE = 1.0  # an fp8 cache holds K and V as they are: per-tensor scale 1 (see model_runner)
 DECODE_NUM_STAGES = 2  # software pipelining: the next step's loads fly during this one
 DECODE_NUM_WARPS = 4  # more warps per program were slower
 MIN_GROUP_ROWS = 16  # tl.dot (tensor cores) needs >= 16 rows: the GQA group is padded up to this
@@ -58,14 +60,29 @@ def _split_block_range(context_len, first_block, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _dot_dtype(q, k_cache_ptr):
+    """q in the dtype of the tile products. With an fp8 (e4m3) cache they run in fp16: every e4m3
+    value is exact in fp16, Hopper converts a pair of them in one instruction, and a bf16 query
+    loses nothing in fp16 (more mantissa bits; its values are far inside fp16's range)."""
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, valid, head_base,
-                 offs_d, cache_stride_block, cache_stride_token, qk_scale):
+                 offs_d, cache_stride_block, cache_stride_token, qk_scale, v_scale):
     """One online-softmax step of q (ROWS, D) over a tile of cached tokens, at (block_id, offset)
     (TILE,) each; returns the new (m_i, l_i, acc)."""
     rows = block_id.to(tl.int64) * cache_stride_block + offset * cache_stride_token + head_base
     # issue K and V loads together: more bytes in flight per program hides HBM latency
     k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # dequantized in registers, to q's fp16
+        # V times its scale, a run-time value: the multiply also makes Triton widen V before the
+        # shared-memory stage that transposes V for p @ v, where ldmatrix.trans moves 16-bit
+        # values (e4m3 ones would be read back one byte at a time: docs/performance.md)
+        k, v = k.to(q.dtype), v.to(q.dtype) * tl.cast(v_scale, q.dtype)
     # (ROWS, TILE) fp32 scores, the scale folded with log2(e); invalid tokens -inf
     s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
     # Online softmax: every tile has >= 1 valid token (it starts below block_end): m_new is finite.
@@ -79,10 +96,10 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, v
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         num_common_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, first_slot,
-                         num_slots, q_stride_s, q_stride_h, cache_stride_block, cache_stride_token,
-                         block_tables_stride, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         num_common_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale,
+                         first_slot, num_slots, q_stride_s, q_stride_h, cache_stride_block,
+                         cache_stride_token, block_tables_stride, GROUP: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCKS_PER_ITER: tl.constexpr, NUM_STAGES: tl.constexpr,
                          CASCADE: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
     # KV heads vary fastest in the grid: the GPU starts programs in that order, so a batch sorted
@@ -100,6 +117,7 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     # cross-thread reductions cost more than the wasted rows.
     q = tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
                 mask=offs_g[:, None] < GROUP, other=0.0)  # (GROUP_PAD, D)
+    q = _dot_dtype(q, k_cache_ptr)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
@@ -112,7 +130,7 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         valid = in_split & (seq_block * BLOCK_SIZE + offset < context_len)  # ragged last block
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset,
                                      valid, kv_head * HEAD_DIM, offs_d, cache_stride_block,
-                                     cache_stride_token, qk_scale)
+                                     cache_stride_token, qk_scale, v_scale)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
         for slot in range(0, first_slot):  # first_slot = number of prefix partials (0: no prefix)
@@ -151,7 +169,7 @@ def _store_decode_partial(acc, m_i, l_i, q_rows, row_mask, offs_d, slot, num_slo
 
 @triton.jit
 def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                           num_common_ptr, part_out_ptr, part_lse_ptr, qk_scale, num_seqs,
+                           num_common_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_seqs,
                            num_slots, q_stride_s, q_stride_h, cache_stride_block,
                            cache_stride_token, GROUP: tl.constexpr, ROWS: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -168,6 +186,7 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     load_q = seq < tl.where(block_start < block_end, num_seqs, 0)  # an idle split: no q loads
     q = tl.load(q_ptr + seq[:, None] * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
                 mask=load_q[:, None], other=0.0)  # (ROWS, D)
+    q = _dot_dtype(q, k_cache_ptr)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
@@ -178,7 +197,7 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
         block_id = tl.load(block_tables_ptr + seq_block, mask=valid, other=0)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id,
                                      offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
-                                     cache_stride_block, cache_stride_token, qk_scale)
+                                     cache_stride_block, cache_stride_token, qk_scale, v_scale)
     # a padded CUDA-graph row (context_len 0) does not hold the prefix: drop its share (LSE -inf)
     l_i = tl.where(tl.load(context_lens_ptr + seq, mask=row_mask, other=0) >= prefix_len, l_i, 0.0)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (ROWS,) rows of out (S * H, D)
@@ -274,19 +293,21 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     part_out = q.new_empty(S, H, num_slots, D, dtype=torch.float32) if num_slots else out
     part_lse = q.new_empty(S, H, num_slots, dtype=torch.float32) if num_slots else out
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
-    blocks_per_iter = max(1, DECODE_TILE_TOKENS // B)  # whole blocks per loop step
-    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=blocks_per_iter)
+    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B)
     if cascade:  # launched first: the per-sequence kernel folds its partials in
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
-            scale * LOG2E, S, num_slots, *strides, ROWS=CASCADE_ROWS, NUM_STAGES=CASCADE_NUM_STAGES,
+            scale * LOG2E, FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
+            NUM_STAGES=CASCADE_NUM_STAGES, BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B),
             num_warps=CASCADE_NUM_WARPS, **launch)
+    tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
     # arange needs a power of two and tl.dot >= 16 rows: a group of 2 or 3 pads to 16, masked
     group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
     _paged_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
-        scale * LOG2E, prefix_splits, num_slots, *strides, block_tables.stride(0),
+        scale * LOG2E, FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
         GROUP_PAD=group_pad, CASCADE=cascade, SINGLE_SPLIT=num_splits == 1,
+        BLOCKS_PER_ITER=max(1, tile // B),  # whole blocks per loop step
         NUM_STAGES=DECODE_NUM_STAGES, num_warps=DECODE_NUM_WARPS, **launch)
     if num_splits > 1:
         _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,

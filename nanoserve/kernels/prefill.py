@@ -63,8 +63,9 @@ def context_slots(block_tables: Tensor, cu_seqlens_k: Tensor, block_size: int,
     return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
-def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-    """K and V (Nk, Hkv, D) of the cache slots (Nk,): a prefill's whole context, packed, for prefix
-    hits."""
+def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+              dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """K and V (Nk, Hkv, D) of the cache slots (Nk,) in dtype (the queries'): a prefill's whole
+    context, packed, for prefix hits. An fp8 cache is dequantized by the cast (scale 1)."""
     Hkv, D = k_cache.shape[2:]
-    return k_cache.view(-1, Hkv, D)[slots], v_cache.view(-1, Hkv, D)[slots]
+    return k_cache.view(-1, Hkv, D)[slots].to(dtype), v_cache.view(-1, Hkv, D)[slots].to(dtype)

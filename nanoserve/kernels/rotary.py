@@ -3,7 +3,8 @@
 One launch per layer instead of five (two norms, two rotations, the store), beside the plain-torch
 references it must match. Invariant: slot = block_id * B + offset; slot -1 (a padded CUDA-graph row)
 writes nowhere; no host sync. Called by layers: its plain path runs the references step by step,
-its fused path rotary_and_store. The cache is (num_blocks, B, Hkv, D).
+its fused path rotary_and_store. The cache is (num_blocks, B, Hkv, D), in the model's dtype or
+fp8 e4m3 (the store rounds to it).
 """
 
 import torch
@@ -56,7 +57,9 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weig
                        QK_NORM)
     k1, k2 = _norm_rotate_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, HKV,
                                 HKV_PAD, HEAD_DIM, QK_NORM)
-    if STORE:  # the cache holds the rotated keys
+    # the cache holds the rotated keys; an fp8 cache rounds them and v to e4m3 in the store's cast
+    # (nearest even, saturating at +-448): scale 1, as store_kvcache_ref does
+    if STORE:
         slot = tl.load(slot_mapping_ptr + token)
         heads = tl.arange(0, HKV_PAD)[:, None]
         # slot -1 (a padded graph row): no heads
@@ -92,7 +95,8 @@ def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin
     store = k_cache.numel() > 0
     assert not store or (k_cache.shape[2:] == (Hkv, D) and k_cache.shape == v_cache.shape
                          and k_cache.is_contiguous() and v_cache.is_contiguous()
-                         and k_cache.dtype == k.dtype and slot_mapping.dtype == torch.int32)
+                         and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
+                         and slot_mapping.dtype == torch.int32)
     q_weight, k_weight, eps = qk_norm or (q, k, 0.0)  # without the norm the weights are never read
     _rotary_store_kernel[(N,)](  # one program per token
         q, k, v, positions, cos_sin, q_weight, k_weight, k_cache if store else k,
@@ -135,10 +139,16 @@ def rotary_and_store_ref(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos
 def store_kvcache_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> None:
     """Write key/value (N, Hkv, D) into the caches at slot_mapping (N,); slot -1 writes nowhere.
-    Boolean masking syncs: the CPU path and test oracle only, never in a CUDA graph."""
+    An fp8 cache stores the values cast to e4m3 (scale 1, rounded to nearest even), saturated at
+    +-448 as the GPU's conversion does. Boolean masking syncs: the CPU path and test oracle only,
+    never in a CUDA graph."""
     N, Hkv, D = key.shape
     assert value.shape == key.shape and k_cache.shape[2:] == (Hkv, D) and slot_mapping.shape == (N,)
     keep = slot_mapping >= 0  # (N,) drop padded slots (-1)
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, Hkv, D).index_copy_(0, slots, key[keep])  # (num_blocks * B, Hkv, D): slot rows
-    v_cache.view(-1, Hkv, D).index_copy_(0, slots, value[keep])
+    if k_cache.dtype == torch.float8_e4m3fn:  # older torch casts give NaN past 480, newer saturate
+        fp8_max = torch.finfo(k_cache.dtype).max
+        key, value = key.clamp(-fp8_max, fp8_max), value.clamp(-fp8_max, fp8_max)
+    # (num_blocks * B, Hkv, D): slot rows (an indexed assignment: CPU index_copy_ has no fp8)
+    k_cache.view(-1, Hkv, D)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, Hkv, D)[slots] = value[keep].to(v_cache.dtype)

@@ -1,0 +1,163 @@
+"""fp8_accuracy.py: what an fp8 KV cache costs in accuracy, against the cache in the model's dtype.
+
+Each model runs twice, kv_cache_dtype="auto" and "fp8", on the same prompts, greedy, with
+SamplingParams(logprobs=5). Printed for each model:
+- how many sequences stay token-identical over their first 16 and over all their tokens;
+- over the tokens where both runs still agree (the prefix before their first difference): the mean
+  and largest |delta logprob| of the sampled token, and the largest over the top-5 tokens of both;
+- the range of the K and V values the model writes into its cache (read back from the "auto" run's
+  cache), against e4m3's: the largest |value| (e4m3 saturates at 448), the share below 2^-6 (e4m3's
+  subnormals, where a scale of 1 keeps fewer bits), and the relative RMS error of rounding them to
+  e4m3 with nanoserve's scale of 1 and with a calibrated scale per layer (amax / 448).
+CPU (default): the packaged default model (SmolLM2-135M-Instruct, float32) on the chat prompts of
+tests/test_e2e.py, 32 tokens (EOS ends a sequence). --gpu: random Qwen3- and Llama-shaped models
+(tests/test_gpu.py's) on random prompts, 24 tokens each, EOS ignored, in bf16 on a GPU (without
+one, in float32 on the CPU reference path).
+
+    python tools/fp8_accuracy.py [--gpu] [--json out.json]
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from nanoserve import LLM, SamplingParams  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest value
+FP8_MIN_NORMAL = 2.0**-6  # below it e4m3 is subnormal: fewer significant bits
+TOP_K = 5
+PREFIX = 16  # sequences are also compared over their first PREFIX tokens
+
+
+def generate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list, list]:
+    """Greedy token ids and per-token logprob dicts of each prompt."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o["token_ids"] for o in outs], [o["logprobs"] for o in outs]
+
+
+def compare(auto: tuple[list, list], fp8: tuple[list, list]) -> dict:
+    """The fp8 run against the auto run: identical sequences, and |delta logprob| over the tokens
+    where both still agree."""
+    (ids_a, lps_a), (ids_b, lps_b) = auto, fp8
+    chosen, top = [], []
+    for seq_a, steps_a, seq_b, steps_b in zip(ids_a, lps_a, ids_b, lps_b):
+        for tok_a, lp_a, tok_b, lp_b in zip(seq_a, steps_a, seq_b, steps_b):
+            if tok_a != tok_b:
+                break
+            chosen.append(abs(lp_a[tok_a] - lp_b[tok_b]))
+            top.append(max(abs(lp_a[t] - lp_b[t]) for t in lp_a.keys() & lp_b.keys()))
+    pairs = list(zip(ids_a, ids_b))
+    return {"sequences": len(pairs),
+            f"identical_first_{PREFIX}": sum(a[:PREFIX] == b[:PREFIX] for a, b in pairs),
+            "identical_all": sum(a == b for a, b in pairs),
+            "output_tokens": sum(map(len, ids_a)), "agreeing_tokens": len(chosen),
+            "mean_abs_dlogprob": statistics.fmean(chosen), "max_abs_dlogprob": max(chosen),
+            "max_abs_dlogprob_top5": max(top)}
+
+
+def rounding_error(x: Tensor, scale: float) -> float:
+    """Relative RMS error of x (fp32) stored as e4m3 with this scale (x / scale, rounded, times
+    scale)."""
+    return float((x - (x / scale).to(FP8).float() * scale).norm() / x.norm())
+
+
+def value_ranges(kv_cache: Tensor) -> dict:
+    """K and V written into a cache that was zeroed first, per layer: the largest |value|, the share
+    below e4m3's normal range, the rounding error with scale 1 and with a per-layer amax scale."""
+    out = {}
+    for name, cache in zip("KV", kv_cache):  # (layers, num_blocks, B, Hkv, D) each
+        rows = cache.flatten(1, 2).flatten(2).float()  # (layers, slots, Hkv * D)
+        written = (rows != 0).any(-1).any(0)  # (slots,) a slot that some layer wrote
+        layers = [r[written] for r in rows]
+        amax = [float(x.abs().max()) for x in layers]
+        out[name] = {"amax": amax,
+                     "subnormal_share": [float((x.abs() < FP8_MIN_NORMAL).float().mean())
+                                         for x in layers],
+                     "error_scale_1": [rounding_error(x, 1.0) for x in layers],
+                     "error_amax_scale": [rounding_error(x, a / FP8_MAX)
+                                          for x, a in zip(layers, amax)]}
+    return out
+
+
+def measure(model_dir: str, prompts: list, params: SamplingParams, **engine) -> dict:
+    runs = {}
+    for kv in ("auto", "fp8"):
+        with LLM(model_dir, kv_cache_dtype=kv, **engine) as llm:
+            if kv == "auto":
+                llm.model_runner.kv_cache.zero_()  # then the written slots are the non-zero ones
+            runs[kv] = generate(llm, prompts, params)
+            if kv == "auto":
+                ranges = value_ranges(llm.model_runner.kv_cache)
+    return {**compare(runs["auto"], runs["fp8"]), "kv_ranges": ranges}
+
+
+def chat_prompts(model_dir: str) -> list[list[int]]:
+    from test_e2e import QUESTIONS
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for q in QUESTIONS]
+
+
+def cpu_results() -> dict:
+    from test_e2e import MAX_TOKENS
+
+    from nanoserve.weights import default_model_dir
+    model_dir = default_model_dir()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
+    return {"SmolLM2-135M-Instruct (float32, CPU)": measure(model_dir, chat_prompts(model_dir),
+                                                             params)}
+
+
+def gpu_results() -> dict:
+    from test_gpu import MAX_TOKENS, SHAPES, prompts, save_random_model
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    results, dtype = {}, "bf16" if torch.cuda.is_available() else "float32, CPU"
+    for name, make_config in SHAPES.items():
+        with tempfile.TemporaryDirectory() as model_dir:
+            save_random_model(make_config(), model_dir)
+            results[f"random {name} shapes ({dtype})"] = measure(
+                model_dir, prompts(n=16, seed=8), params, num_kvcache_blocks=4096,
+                max_model_len=1024)
+    return results
+
+
+def report(name: str, r: dict) -> None:
+    n = r["sequences"]
+    print(f"\n{name}: {n} sequences, {r['output_tokens']} tokens (fp8 KV cache vs the model "
+          f"dtype's)\n  identical over the first {PREFIX} tokens: {r[f'identical_first_{PREFIX}']}"
+          f"/{n}; over all: {r['identical_all']}/{n}\n  over the {r['agreeing_tokens']} tokens "
+          f"where both agree: mean |dlogprob| {r['mean_abs_dlogprob']:.4f}, max "
+          f"{r['max_abs_dlogprob']:.4f}; max over the top-{TOP_K}: "
+          f"{r['max_abs_dlogprob_top5']:.4f}")
+    for kv, s in r["kv_ranges"].items():
+        print(f"  {kv} over {len(s['amax'])} layers: max |value| {max(s['amax']):.3g} (per layer "
+              f"{min(s['amax']):.3g}-{max(s['amax']):.3g}); below 2^-6: "
+              f"{100 * statistics.fmean(s['subnormal_share']):.2f}% (at most "
+              f"{100 * max(s['subnormal_share']):.2f}%); e4m3 rounding error (relative RMS) with "
+              f"scale 1: {100 * statistics.fmean(s['error_scale_1']):.2f}%, with amax / 448: "
+              f"{100 * statistics.fmean(s['error_amax_scale']):.2f}%")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", action="store_true", help="random Qwen3 and Llama shapes on a GPU")
+    p.add_argument("--json", help="write the figures (per layer too) to this file")
+    args = p.parse_args()
+    results = gpu_results() if args.gpu else cpu_results()
+    for name, r in results.items():
+        report(name, r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
