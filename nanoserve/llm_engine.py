@@ -15,11 +15,11 @@ import time
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, fields
-from functools import partial
 
 import numpy as np
+from tokenizers.decoders import DecodeStream
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from nanoserve.config import Config, SamplingParams
 from nanoserve.distributed import Workers
@@ -71,28 +71,32 @@ class TextStream:
 
     Decoding each new token alone goes wrong twice: a character of several bytes spans several
     tokens (a part decodes to U+FFFD), and tokenizers drop a word's leading space when its token
-    starts the text. So each update decodes a window that begins at the previous update's new
-    tokens, keeps what the newest tokens add to it, and waits while the text ends mid-character.
-    While stop strings may still match, their length minus one characters are held back."""
+    starts the text. The tokenizers library's DecodeStream gets both right: it returns a token's
+    text once its characters are complete (else None). A request that ends mid-character ends
+    with U+FFFD, as a whole decode shows it. While stop strings may still match, their length
+    minus one characters are held back."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...],
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, stop: tuple[str, ...],
                  streamed: bool) -> None:
         self.tokenizer, self.stop, self.streamed = tokenizer, stop, streamed
-        self.start = self.end = 0  # the last window decoded: output tokens [start, end)
+        self.decoder = DecodeStream(skip_special_tokens=True)
+        self.num_decoded = self.num_complete = 0  # output tokens decoded; of those, in the text
         self.text, self.stopped = "", False  # the text so far; whether a stop string cut it
         self.num_sent_chars = self.num_sent_tokens = 0  # handed out by delta() / stream_step()
 
     def update(self, token_ids: list[int], finished: bool) -> bool:
         """Take the output tokens so far; return whether a stop string now ends the text."""
-        if self.stopped or len(token_ids) == self.end:
-            return self.stopped
-        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
-        old, new = decode(token_ids[self.start:self.end]), decode(token_ids[self.start:])
-        if new.endswith("\ufffd") and not finished:
-            return False  # the newest tokens end inside a character: wait for the rest
+        if self.stopped:
+            return True
         searched = len(self.text)
-        self.text += new[len(old):]
-        self.start, self.end = self.end, len(token_ids)
+        for i in range(self.num_decoded, len(token_ids)):
+            piece = self.decoder.step(self.tokenizer.backend_tokenizer, token_ids[i])
+            if piece is not None:
+                self.text, self.num_complete = self.text + piece, i + 1
+        self.num_decoded = len(token_ids)
+        if finished and self.num_complete < len(token_ids):  # the end of a broken character
+            self.text += self.tokenizer.decode(token_ids[self.num_complete:],
+                                               skip_special_tokens=True)
         hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched - len(s) + 1)))
                 >= 0]
         if hits:
