@@ -1,0 +1,241 @@
+"""The FastAPI app: OpenAI's routes on top of an EngineLoop.
+
+A handler checks the key and the model name, turns the body into SamplingParams and a prompt
+(protocol.py), submits it to the engine loop and then either streams its deltas as server-sent
+events (`data: {chunk}` lines, then `data: [DONE]`) or gathers them into one response. Handlers
+never call the model. Every client error leaves as an OpenAI error body with a 4xx. The lifespan
+starts the engine loop and, after uvicorn has drained the connections, stops it and the engine.
+"""
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from transformers import PreTrainedTokenizerBase
+
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.server.engine_loop import EVENTS_PER_STEP, EngineLoop, RequestStream
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.protocol import (
+    COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Delta,
+    OpenAIError,
+    ResponseHead,
+    chat_logprobs,
+    completion_logprobs,
+)
+
+CLIENT_CLOSED = 499  # nginx's status for a client that left: nobody reads it
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+              events_per_step: int = EVENTS_PER_STEP) -> FastAPI:
+    """The server's routes around one engine, served under `model_name`."""
+    loop = EngineLoop(engine, Metrics(), events_per_step)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop.start(asyncio.get_running_loop())
+        yield
+        await asyncio.to_thread(loop.stop)  # joins the loop thread: off the event loop
+
+    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])
+
+    @v1.get("/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
+                "max_model_len": engine.config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model, model_name)
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = body.sampling_params(max_tokens, body.logprobs)
+        stream = await loop.submit(body.single_prompt(), params)  # ValueError: a 400
+        completion = Completion(ResponseHead("completion", model_name), engine.tokenizer,
+                                body.logprobs)
+        return await respond(completion, stream, body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model, model_name)
+        prompt = chat_prompt(engine, body)
+        limit = body.max_tokens if body.max_completion_tokens is None else (
+            body.max_completion_tokens)
+        max_tokens = room_left(engine, prompt) if limit is None else limit
+        stream = await loop.submit(prompt, body.sampling_params(max_tokens, body.engine_logprobs()))
+        chat = ChatCompletion(ResponseHead("chat", model_name), engine.tokenizer,
+                              body.engine_logprobs())
+        return await respond(chat, stream, body, request)
+
+    app.include_router(v1)
+    return app
+
+
+# ---- checks --------------------------------------------------------------------------------------
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ValueError)  # the engine's and SamplingParams' refusals name the fix
+    async def value_error(request: Request, e: ValueError) -> JSONResponse:
+        return JSONResponse(OpenAIError(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(RequestValidationError)  # malformed JSON, missing or mistyped fields
+    async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(describe(err) for err in e.errors())
+        return JSONResponse(OpenAIError(400, problems).body(), status_code=400)
+
+
+def describe(err: dict) -> str:
+    """One pydantic error as "field: what is wrong"."""
+    if err["type"] == "json_invalid":
+        return f"the body is not valid JSON ({err.get('ctx', {}).get('error', '')})"
+    where = ".".join(str(part) for part in err["loc"] if part != "body")
+    return f"{where or 'body'}: {err['msg']}"
+
+
+def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A dependency of every /v1 route, checked before the body is: with --api-key, a request
+    must carry `Authorization: Bearer <api_key>`."""
+    async def check(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise OpenAIError(401, "missing or wrong API key: send the header "
+                                   "'Authorization: Bearer <key>' with the server's --api-key")
+    return check
+
+
+def check_model(asked: str, served: str) -> None:
+    if asked != served:
+        raise OpenAIError(404, f"the model '{asked}' does not exist: this server serves "
+                               f"'{served}' (see GET /v1/models)")
+
+
+def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
+    """The messages through the model's chat template, ending where the assistant's turn starts."""
+    if not body.messages:
+        raise ValueError("messages is empty: send at least one {'role': 'user', 'content': ...}")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+
+
+def room_left(engine: LLMEngine, prompt: list[int]) -> int:
+    """Chat's default max_tokens: whatever the context has left after the prompt."""
+    room = engine.config.max_model_len - len(prompt)
+    if room < 1:
+        raise ValueError(f"the conversation is {len(prompt)} tokens, which fills max_model_len="
+                         f"{engine.config.max_model_len}: shorten it")
+    return room
+
+
+# ---- responses -----------------------------------------------------------------------------------
+class Completion:
+    """/v1/completions: a choice is {"text", "logprobs", "finish_reason"}."""
+
+    def __init__(self, head: ResponseHead, tokenizer: PreTrainedTokenizerBase,
+                 logprobs: int | None) -> None:
+        self.head, self.tokenizer, self.k = head, tokenizer, logprobs
+        self.text_offset = 0  # characters already sent: the next token's text_offset
+
+    def choice(self, delta: Delta, chunk: bool) -> dict:
+        logprobs = None
+        if self.k is not None and delta.logprobs is not None:
+            logprobs = completion_logprobs(self.tokenizer, delta, self.k, self.text_offset)
+        self.text_offset += len(delta.text)
+        return {"index": 0, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+
+    def first_chunk(self) -> dict | None:
+        return None
+
+
+class ChatCompletion(Completion):
+    """/v1/chat/completions: a choice holds a "message" (or, in a stream, a "delta")."""
+
+    def choice(self, delta: Delta, chunk: bool) -> dict:
+        logprobs = None
+        if self.k is not None and delta.logprobs is not None:
+            logprobs = chat_logprobs(self.tokenizer, delta, self.k)
+        message = {"content": delta.text} if chunk else {"role": "assistant",
+                                                          "content": delta.text}
+        return {"index": 0, "delta" if chunk else "message": message, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+
+    def first_chunk(self) -> dict | None:  # OpenAI opens a chat stream with the role alone
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self.head.wrap([choice], chunk=True)
+
+
+async def respond(shape: Completion, stream: RequestStream,
+                  body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(sse(shape, stream, usage), media_type="text/event-stream")
+    total = await until_disconnect(gather(stream), request)
+    if total is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(shape.head.wrap([shape.choice(total, chunk=False)], total.usage()))
+
+
+async def sse(shape: Completion, stream: RequestStream, usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one `data:` line per delta. A client that leaves cancels this
+    generator (Starlette watches the socket), and leaving RequestStream aborts the request."""
+    if (first := shape.first_chunk()) is not None:
+        yield event(first)
+    last = Delta()
+    async for delta in stream:
+        yield event(shape.head.wrap([shape.choice(delta, chunk=True)], chunk=True))
+        last = delta
+    if usage:
+        yield event(shape.head.wrap([], last.usage(), chunk=True))
+    yield "data: [DONE]\n\n"
+
+
+def event(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+async def gather(stream: RequestStream) -> Delta:
+    total = Delta()
+    async for delta in stream:
+        total.add(delta)
+    return total
+
+
+async def until_disconnect(work: Awaitable[Delta], request: Request) -> Delta | None:
+    """work's result, or None if the client disconnects first (work is then cancelled, which
+    aborts its request): a plain response has no stream whose writes would notice."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(wait_disconnect(request))
+    await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    watch_task.cancel()
+    if not work_task.done():
+        work_task.cancel()
+        return None
+    return work_task.result()
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,185 @@
+"""The OpenAI wire format: request models (pydantic), response and chunk shapes, error bodies.
+
+Owns the translation between JSON and the engine's types: a request body becomes SamplingParams
+(whose constructor validates the values), an engine output becomes a completion, a chat completion
+or one of their stream chunks, with `usage` and OpenAI-shaped `logprobs`. It knows no HTTP and no
+engine loop (app.py, engine_loop.py). Unknown fields are ignored, as OpenAI's clients send extras.
+"""
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+from transformers import PreTrainedTokenizerBase
+
+from nanoserve.config import SamplingParams
+from nanoserve.llm_engine import RequestOutput
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
+
+
+class OpenAIError(Exception):
+    """An error the client caused: sent as {"error": {"message", "type", "code"}} with `status`."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": None,
+                          "code": self.status}}
+
+
+# ---- requests ----------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
+
+
+class SamplingRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share; None means the default."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    # vLLM's extras
+    top_k: int | None = None  # 0 or -1: off
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError (a 400) naming the bad value."""
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids or [], seed=self.seed, stop=stop,
+            logprobs=logprobs)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # k: the sampled token's log-probability and the k likeliest
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request (text or token ids): a batch of prompts is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"send one prompt per request, got a list of {len(prompt)}")
+            prompt = prompt[0]
+        return prompt
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message as one string: content parts of type "text" are joined."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content if part.type == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: how many likeliest tokens per position
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses ---------------------------------------------------------------------------------
+@dataclass
+class Delta:
+    """What a request produced since the client last heard from it (one or more engine steps)."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: "RequestOutput | Delta") -> None:
+        """Append one engine RequestOutput; the counts are running totals, so the last wins."""
+        self.text += out.text
+        self.token_ids += out.token_ids
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(out.logprobs)
+        self.finish_reason = out.finish_reason
+        self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens = (
+            out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.num_prompt_tokens,
+                "completion_tokens": self.num_output_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+
+class ResponseHead:
+    """id, object, created and model: the fields every response and chunk of a request repeats."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.id, self.model, self.created = f"{prefix}-{uuid.uuid4().hex}", model, int(time.time())
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+
+    def wrap(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict:
+        obj = "chat.completion.chunk" if chunk and self.object == "chat.completion" else self.object
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+
+def top_k_items(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k likeliest (token id, log-probability) pairs of one position, likeliest first."""
+    return sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:k]
+
+
+def completion_logprobs(tokenizer: PreTrainedTokenizerBase, delta: Delta, k: int,
+                        text_offset: int) -> dict:
+    """The legacy completions shape: parallel lists, top_logprobs keyed by token text."""
+    tokens = [tokenizer.decode([t]) for t in delta.token_ids]
+    offsets, pos = [], text_offset
+    for token in tokens:
+        offsets.append(pos)
+        pos += len(token)
+    return {"tokens": tokens,
+            "token_logprobs": [lp[t] for t, lp in zip(delta.token_ids, delta.logprobs)],
+            "top_logprobs": [{tokenizer.decode([i]): v for i, v in top_k_items(lp, k)}
+                             for lp in delta.logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: PreTrainedTokenizerBase, delta: Delta, k: int) -> dict:
+    """The chat shape: one entry per token with its text, bytes and top_logprobs."""
+    def entry(token_id: int, logprob: float) -> dict:
+        token = tokenizer.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(*i) for i in top_k_items(lp, k)]}
+                        for t, lp in zip(delta.token_ids, delta.logprobs)]}

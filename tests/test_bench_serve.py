@@ -1,0 +1,79 @@
+"""CPU tests of bench_serve.py's client and statistics: a request timed against a canned SSE
+stream, the summary's throughput and percentiles, the arrival schedule, the request bodies."""
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_serve  # noqa: E402
+
+GAP_S = 0.05  # between the canned stream's chunks
+
+
+async def canned_stream(request: web.Request) -> web.StreamResponse:
+    """Three text chunks GAP_S apart, one empty chunk, the usage chunk, [DONE]."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i, text in enumerate(["a", "b", "c", ""]):
+        if i:
+            await asyncio.sleep(GAP_S)
+        chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    usage = {"choices": [], "usage": {"completion_tokens": 5}}
+    await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+    return resp
+
+
+def test_send_times_the_chunks():
+    async def run() -> bench_serve.RequestResult:
+        app = web.Application()
+        app.router.add_post("/v1/completions", canned_stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        server = bench_serve.Server("nanoserve", f"http://127.0.0.1:{port}", "m")
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await bench_serve.send(session, server, [1, 2, 3], 5)
+        finally:
+            await runner.cleanup()
+
+    r = asyncio.run(run())
+    assert r.ok and r.output_tokens == 5 and r.prompt_len == 3  # usage wins over the chunks
+    assert len(r.itl) == 2 and all(GAP_S * 0.8 < gap < GAP_S * 4 for gap in r.itl)
+    assert r.e2e == pytest.approx(r.ttft + sum(r.itl))  # the empty chunk is no token
+
+
+def test_summary():
+    results = [bench_serve.RequestResult(True, "", 10, n, ttft, ttft + 0.01 * (n - 1),
+                                         [0.01] * (n - 1))
+               for n, ttft in [(11, 0.1), (21, 0.3), (31, 0.2)]]
+    results.append(bench_serve.RequestResult(error="HTTP 400: bad"))
+    s = bench_serve.summarize(results, seconds=2.0)
+    assert (s["completed"], s["failed"], s["errors"]) == (3, 1, ["HTTP 400: bad"])
+    assert s["output_tokens"] == 63 and s["output_throughput"] == 31.5
+    assert s["request_throughput"] == 1.5
+    assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["mean"] == pytest.approx(200)
+    assert s["ttft_ms"]["p99"] == pytest.approx(np.percentile([100, 300, 200], 99))
+    assert s["tpot_ms"]["mean"] == pytest.approx(10) and s["itl_ms"]["p99"] == pytest.approx(10)
+    assert bench_serve.summarize([], 1.0)["ttft_ms"]["p50"] is None
+
+
+def test_arrivals_and_bodies():
+    assert bench_serve.arrival_gaps(4, math.inf, 0) == [0.0] * 4
+    gaps = bench_serve.arrival_gaps(4000, 2.0, 0)
+    assert np.mean(gaps) == pytest.approx(0.5, rel=0.05)  # Poisson: exponential gaps
+    assert gaps == bench_serve.arrival_gaps(4000, 2.0, 0)  # seeded
+    nano = bench_serve.Server("nanoserve", "u", "m").body([5, 6], 7)
+    assert nano["prompt"] == [5, 6] and nano["ignore_eos"] and nano["max_tokens"] == 7
+    hf = bench_serve.Server("transformers", "u", "m").body([5, 6], 7)
+    assert hf["prompt"] == "<5> <6>" and "ignore_eos" not in hf  # it refuses unknown fields

@@ -1,0 +1,358 @@
+"""The OpenAI-compatible server against the official `openai` client, on the CPU.
+
+One server (`python -m nanoserve.server` in a subprocess, the default model, an API key) is shared
+by the module; requests are greedy and short. The last test starts a second server on a tiny
+random Qwen3 with two tensor-parallel ranks, so that shutdown has worker processes and shared
+memory to clean up, and sends it SIGTERM mid-stream: the stream must still finish, the process
+exit 0, and nothing it had mapped in /dev/shm be left behind.
+"""
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from nanoserve.llm_engine import RequestOutput
+from nanoserve.server import engine_loop
+from nanoserve.server.metrics import Metrics
+from nanoserve.weights import default_model_dir
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"  # the served name of the default model: its directory's name
+START_TIMEOUT_S = 180
+PROMPT = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+NUM_STREAMS = 10  # concurrent streams; the test wants steps that batched more than 8
+GREEDY = dict(model=MODEL, temperature=0, max_tokens=12)
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of GET /metrics by name and labels, e.g. 'x_bucket{le="8.0"}'."""
+        text = httpx.get(f"{self.url}/metrics").text
+        return {s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else ""): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*flags: str) -> Server:
+    """`python -m nanoserve.server` on a free port, once GET /health answers."""
+    port, log = free_port(), Path(tempfile.mkdtemp()) / "server.log"
+    cmd = [sys.executable, "-m", "nanoserve.server", "--port", str(port), "--api-key", API_KEY,
+           "--device", "cpu", "--log-level", "warning", *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, f"the server exited at start:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.5)
+    return Server(proc, url, log)
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        server.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = start_server()
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+# ---- requests ----------------------------------------------------------------------------------
+def test_models_and_completion(server, tokenizer):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = client.completions.create(prompt=PROMPT, **GREEDY)
+    assert out.choices[0].text.strip() and out.choices[0].finish_reason == "length"
+    ids = tokenizer.encode(PROMPT)
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
+    by_ids = client.completions.create(prompt=ids, **GREEDY)  # a prompt of token ids
+    assert by_ids.choices[0].text == out.choices[0].text
+
+
+def test_chat(server):
+    out = server.client().chat.completions.create(messages=QUESTION, **GREEDY)
+    message = out.choices[0].message
+    assert message.role == "assistant" and "Paris" in message.content
+    assert out.usage.completion_tokens <= 12 and out.usage.prompt_tokens > 10
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_stream_equals_non_stream(server, kind):
+    client = server.client()
+    if kind == "chat":
+        create, args, text = client.chat.completions.create, {"messages": QUESTION}, (
+            lambda choice: choice.delta.content or "")
+        full = create(**args, **GREEDY).choices[0].message.content
+    else:
+        create, args, text = client.completions.create, {"prompt": PROMPT}, (
+            lambda choice: choice.text)
+        full = create(**args, **GREEDY).choices[0].text
+    chunks = list(create(**args, **GREEDY, stream=True, stream_options={"include_usage": True}))
+    deltas = [text(c.choices[0]) for c in chunks if c.choices]
+    assert len(deltas) > 2 and "".join(deltas) == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_concurrent_streams_are_batched(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"{i} little pigs went", max_tokens=16, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens
+
+    async def all_at_once() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(NUM_STREAMS)))
+
+    bucket = 'nanoserve_iteration_num_requests_bucket{"le": "8.0"}'
+    before = server.metrics()
+    results = asyncio.run(all_at_once())
+    after = server.metrics()
+    assert all(text and n == 16 for text, n in results)
+    # steps in which more than 8 requests advanced together: +Inf's count minus le=8's
+    big_steps = [m['nanoserve_iteration_num_requests_bucket{"le": "+Inf"}'] - m[bucket]
+                 for m in (before, after)]
+    assert big_steps[1] - big_steps[0] >= 8, "the streams were not decoded in one batch"
+
+
+def test_stop_strings(server):
+    client = server.client()
+    full = client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text
+    stop = full.split()[1]  # the second word: something comes before it
+    out = client.completions.create(prompt=PROMPT, stop=[stop, "never seen"], **GREEDY)
+    assert out.choices[0].text == full[:full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(prompt=PROMPT, stop=stop, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+def test_logprobs(server, tokenizer):
+    client = server.client()
+    out = client.completions.create(prompt=PROMPT, logprobs=3, **GREEDY).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert "".join(lp.tokens) == out.text
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and logprob <= 0
+        assert logprob == pytest.approx(max(top.values()))  # greedy takes the likeliest
+    chat = client.chat.completions.create(messages=QUESTION, logprobs=True, top_logprobs=2,
+                                          **GREEDY).choices[0]
+    content = chat.logprobs.content
+    # the tokens' texts spell the message, then the end-of-turn token it leaves out
+    assert "".join(t.token for t in content).startswith(chat.message.content)
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+               for t in content)
+
+
+def test_many_streams_share_the_events_of_a_step():
+    """Past EVENTS_PER_STEP requests in a step, each gets its outputs every few steps, several
+    at once; first and last outputs go at once. (The engine loop alone, with a fake engine.)"""
+    n = 2 * engine_loop.EVENTS_PER_STEP  # so each request's turn comes every 2 steps
+    blocks = types.SimpleNamespace(num_free_blocks=1, blocks=[0])
+    engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(
+        running=[], waiting=[], block_manager=blocks))
+    loop = engine_loop.EngineLoop(engine, Metrics())
+    sent: list[list] = []  # each step's (queue, outputs) pairs handed to the event loop
+    loop.event_loop = types.SimpleNamespace(call_soon_threadsafe=lambda fn, pairs: sent.append(
+        pairs))
+    loop.requests = {i: engine_loop.Request([1], None, None, i) for i in range(n)}
+
+    def step(k: int, finish: bool = False) -> None:
+        loop._deliver([RequestOutput(i, "x", [7], None, "length" if finish else None, 1, 0, k)
+                       for i in range(n)])
+
+    step(1)
+    step(2)
+    step(3)
+    step(4, finish=True)
+    assert [len(pairs) for pairs in sent] == [n, n // 2, n // 2, n]
+    got = {i: [] for i in range(n)}
+    for pairs in sent:
+        for queue, outputs in pairs:  # the fake's queue slot holds the request id
+            got[queue] += [out.num_output_tokens for out in outputs]
+    assert all(tokens == [1, 2, 3, 4] for tokens in got.values()) and not loop.requests
+
+
+# ---- faults ------------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    (dict(prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature"),
+    (dict(prompt=""), openai.BadRequestError, "empty prompt"),
+    (dict(prompt=[10**9]), openai.BadRequestError, "vocabulary"),
+    (dict(prompt=PROMPT, max_tokens=10**5), openai.BadRequestError, "max_model_len"),
+    (dict(prompt=PROMPT, logprobs=99), openai.BadRequestError, "logprobs"),
+    (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL),
+]
+
+
+def test_bad_input_gets_an_openai_error(server):
+    client = server.client()
+    for kwargs, error, words in BAD_REQUESTS:
+        with pytest.raises(error) as e:
+            client.completions.create(**{"model": MODEL, "max_tokens": 4, **kwargs})
+        assert words in e.value.body["message"] and e.value.body["type"].endswith("error"), kwargs
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "', headers=headers)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL}, headers=headers)
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    assert client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text  # still serving
+
+
+def test_api_key(server):
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+
+
+def wait_until_idle(server: Server, aborted_before: float) -> dict[str, float]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if (m["nanoserve_num_aborted_requests_total"] > aborted_before
+                and m["nanoserve_num_requests_running"] == 0):
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"the request was not aborted: {m}")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_the_request(server, stream):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
+            "stream": stream}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    aborted = server.metrics()["nanoserve_num_aborted_requests_total"]
+    if stream:  # read three events, then hang up
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          headers=headers) as r:
+            events = r.iter_lines()
+            assert [next(events) for _ in range(5)][4].startswith("data: ")
+            assert server.metrics()["nanoserve_kv_cache_usage_perc"] > 0
+    else:  # give up waiting for the whole answer
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=1.0)
+    m = wait_until_idle(server, aborted)
+    assert m["nanoserve_kv_cache_usage_perc"] == 0  # the blocks are free
+
+
+def test_metrics(server):
+    m = server.metrics()
+    for name in ("nanoserve_num_requests_waiting", "nanoserve_prefix_cache_hit_tokens_total",
+                 "nanoserve_generation_tokens_total",
+                 "nanoserve_time_to_first_token_seconds_count",
+                 "nanoserve_inter_token_latency_seconds_count"):
+        assert name in m
+    assert m["nanoserve_generation_tokens_total"] >= 12 * NUM_STREAMS
+    assert m["nanoserve_time_to_first_token_seconds_count"] > NUM_STREAMS
+    assert m["nanoserve_prefix_cache_hit_tokens_total"] > 0  # the chat prompt fills 2 blocks
+
+
+# ---- shutdown (last: it stops the module's server) -------------------------------------------
+def shm_files(pid: int) -> set[str]:
+    """/dev/shm files that a process or its children have mapped or open."""
+    pids = [str(pid)] + subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                       text=True).stdout.split()
+    found = set()
+    for p in pids:
+        try:
+            found |= {line.split(maxsplit=5)[-1] for line in Path(f"/proc/{p}/maps").read_text()
+                      .splitlines() if "/dev/shm/" in line}
+            found |= {os.readlink(fd) for fd in Path(f"/proc/{p}/fd").iterdir()
+                      if os.readlink(fd).startswith("/dev/shm/")}
+        except (FileNotFoundError, PermissionError):
+            pass
+    return {f.removesuffix(" (deleted)") for f in found}
+
+
+@pytest.fixture
+def tp_server(tmp_path):
+    """A tiny random Qwen3 (4 heads, 2 KV heads, vocab 1001) with the default model's tokenizer,
+    served by two tensor-parallel ranks: they talk through shared memory."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1001,
+                      max_position_embeddings=4096, initializer_range=0.2)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(default_model_dir(), name), tmp_path)
+    server = start_server("--model", str(tmp_path), "--served-model-name", MODEL,
+                          "--tensor-parallel-size", "2")
+    yield server
+    stop_server(server)
+
+
+def test_sigterm_drains_and_exits_0(tp_server):
+    server = tp_server
+    shm = shm_files(server.proc.pid)
+    assert shm, "TP ranks talk through shared memory: the check below would see nothing"
+    client, started, result = server.client(), threading.Event(), {}
+
+    def stream() -> None:
+        chunks = client.completions.create(prompt=[1, 2, 3], stream=True, max_tokens=64,
+                                           model=MODEL, extra_body={"ignore_eos": True})
+        for chunk in chunks:
+            started.set()
+            result["text"] = result.get("text", "") + chunk.choices[0].text
+            result["finish_reason"] = chunk.choices[0].finish_reason
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(30)
+    server.proc.send_signal(signal.SIGTERM)
+    reader.join(60)
+    assert result["finish_reason"] == "length"  # the stream was drained, not cut
+    assert server.proc.wait(timeout=60) == 0, server.log.read_text()
+    assert not [f for f in shm if os.path.exists(f)], "shared memory left behind"
