@@ -20,8 +20,8 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nanoserve"
 README = ROOT / "README.md"
-BUDGET = 1800  # code lines in nanoserve/: small enough to read in a sitting, the course's promise
-EXCLUDE = ["server"]  # a server entrypoint, when it exists, is counted on its own
+BUDGET = 2150  # code lines in nanoserve/: small enough to read in an afternoon
+EXCLUDE = ["server"]  # the server (nanoserve/server/), an entrypoint on top, is counted apart
 BEGIN, END = "<!-- loc-table:begin -->", "<!-- loc-table:end -->"
 LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
           tokenize.ENDMARKER, tokenize.ENCODING}
@@ -79,16 +79,15 @@ def split_rows(exclude: list[str]) -> tuple[list[Row], list[Row]]:
 
 def table(exclude: list[str]) -> str:
     counted, apart = split_rows(exclude)
-    lines = ["| module | code lines | all lines | what it is |", "|---|---:|---:|---|"]
-    lines += [f"| `{r.name}` | {r.code} | {r.total} | {r.summary} |" for r in counted]
+    lines = ["| module | code lines | what it is |", "|---|---:|---|"]
+    lines += [f"| `{r.name}` | {r.code} | {r.summary} |" for r in counted]
     lines.append(f"| **total** | **{sum(r.code for r in counted)}** | "
-                 f"**{sum(r.total for r in counted)}** | budget: {BUDGET} code lines |")
+                 f"budget: {BUDGET} code lines, {sum(r.total for r in counted)} lines in all |")
     for name in dict.fromkeys(r.name.partition("/")[0] for r in apart):  # a package: one row
         rows = [r for r in apart if r.name.partition("/")[0] == name]
         summary = next((r.summary for r in rows if r.name.endswith("__init__.py")), rows[0].summary)
         shown = name + ("/" if len(rows) > 1 else "")
-        lines.append(f"| `{shown}` | {sum(r.code for r in rows)} | {sum(r.total for r in rows)} "
-                     f"| outside the budget: {summary} |")
+        lines.append(f"| `{shown}` | {sum(r.code for r in rows)} | outside the budget: {summary} |")
     return "\n".join(lines)
 
 
