@@ -188,6 +188,8 @@ class LLMEngine:
         """Finish a request now (its client went away): its blocks are free at once."""
         self.scheduler.abort([seq])
         self.streams.pop(seq.seq_id, None)
+        if self.timeline is not None:
+            self.timeline.abort(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -90,6 +90,11 @@ class Timeline:
         self.steps.append(Step(batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens),
                                len(bm.blocks) - bm.num_free_blocks, len(sched.waiting)))
 
+    def abort(self, seq: Sequence) -> None:
+        """A request aborted between steps (LLMEngine.abort_request) ends at the last column."""
+        if (row := self.rows.get(seq.seq_id)) is not None and row.finish is None:
+            row.finish = max(row.arrival, len(self.steps) - 1)
+
     def _row(self, seq: Sequence, step: int) -> Row:
         # seen at its first prefill at the latest: until then, its tokens are its prompt
         if seq.seq_id not in self.rows:

@@ -165,6 +165,25 @@ def test_timeline_records_what_the_scheduler_did(model_dir, overlap, tmp_path): 
     assert {label for label, _ in LEGEND.values()} | {"prefix-cache hit", "finish"} <= labels
 
 
+def test_an_aborted_request_ends_where_it_was_aborted(model_dir):  # noqa: F811
+    config = Config(model_dir, num_kvcache_blocks=16, kvcache_block_size=BS, max_model_len=64,
+                    device="cpu")
+    sched = Scheduler(config, eos_token_ids={EOS})
+    timeline, runner = Timeline(config, sched), FakeRunner(lambda seq: 7)
+    kept, aborted = make_seq(prompt(6), max_tokens=8), make_seq(prompt(6, 50), max_tokens=8)
+    sched.add(kept, aborted)
+    for _ in range(3):
+        timeline.record(*reversed(plain_step(sched, runner)))
+    sched.abort([aborted])  # as LLMEngine.abort_request does, between steps
+    timeline.abort(aborted)
+    while sched.has_unfinished():
+        timeline.record(*reversed(plain_step(sched, runner)))
+    rows = {row.seq_id: row for row in timeline.rows.values()}
+    assert rows[aborted.seq_id].finish == 2 and max(rows[aborted.seq_id].cells) == 2
+    assert rows[kept.seq_id].finish == len(timeline.steps) - 1 > 2
+    check_grid(timeline)
+
+
 def check_grid(timeline: Timeline) -> None:
     """The drawn grid: a row waits from its arrival to its first chunk and from a preemption to
     its recompute, has its recorded cells, is idle at every other step until its finish, and
