@@ -52,10 +52,15 @@ class Workers:
         self.errors = ctx.Queue()
         self.wakeups = [ctx.Semaphore(0) for _ in range(1, config.tensor_parallel_size)]
         self.procs: list[mp.Process] = []
-        for rank, wakeup in enumerate(self.wakeups, start=1):
-            args = (config, rank, self.shm.name, wakeup, self.port, self.errors)
-            self.procs.append(ctx.Process(target=worker_main, args=args, daemon=True))
-            self.procs[-1].start()
+        try:
+            for rank, wakeup in enumerate(self.wakeups, start=1):
+                args = (config, rank, self.shm.name, wakeup, self.port, self.errors)
+                proc = ctx.Process(target=worker_main, args=args, daemon=True)
+                proc.start()
+                self.procs.append(proc)
+        except BaseException:  # a worker that failed to start: those already started stop
+            self.shutdown()
+            raise
 
     def call(self, method: str, *args: object) -> None:
         """Have every worker run ModelRunner.<method>(*args), as rank 0 does meanwhile: the call

@@ -1,6 +1,9 @@
 """Tensor parallelism on the CPU (gloo): same greedy output as one rank, clean failure, engines side
 by side, nothing left in /dev/shm after shutdown."""
+import gc
 import glob
+import multiprocessing
+import multiprocessing.context
 import os
 import shutil
 import signal
@@ -121,6 +124,23 @@ def test_two_tp_engines_side_by_side(tiny_qwen3, tmp_path):
     assert open(ready[0]).read() != open(ready[1]).read()  # distinct shared-memory segments
     assert outs[0] == outs[1] and outs[0].startswith("[")
     assert set(glob.glob("/dev/shm/nanoserve-*")) == before
+
+
+def test_a_worker_that_fails_to_start_stops_the_others(monkeypatch):
+    start, calls = multiprocessing.context.SpawnProcess.start, []
+
+    def failing_start(proc):  # rank 1 starts, rank 2 does not
+        calls.append(proc)
+        if len(calls) == 2:
+            raise OSError("simulated failure to start a process")
+        start(proc)
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", failing_start)
+    before = shm_entries()
+    with pytest.raises(OSError, match="simulated"):
+        LLM(None, max_model_len=256, tensor_parallel_size=3)
+    calls.clear()  # the Process objects hold the semaphores, which live until collected
+    gc.collect()
+    assert not multiprocessing.active_children() and shm_entries() - before == set()
 
 
 def test_second_engine_in_one_process_is_refused(tiny_qwen3):
