@@ -97,6 +97,7 @@ class TextStream:
         if finished and self.num_complete < len(token_ids):  # the end of a broken character
             self.text += self.tokenizer.decode(token_ids[self.num_complete:],
                                                skip_special_tokens=True)
+            self.num_complete = len(token_ids)  # (a finished sequence may be seen again)
         hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched - len(s) + 1)))
                 >= 0]
         if hits:
@@ -179,10 +180,15 @@ class LLMEngine:
         """Queue one request; it joins the running batch at the next step. stream=True: each
         stream_step() reports what it added to the request (a RequestOutput)."""
         seq = self.make_sequence(prompt, params)
-        if stream or params.stop:  # stop strings are matched on the text as it grows
-            self.streams[seq.seq_id] = TextStream(self.tokenizer, params.stop, stream)
+        self._follow_text(seq, stream)
         self.scheduler.add(seq)
         return seq
+
+    def _follow_text(self, seq: Sequence, streamed: bool) -> None:
+        """Decode seq's text step by step when it is streamed or has stop strings, which are
+        matched on the text as it grows; otherwise it is decoded once, when it finishes."""
+        if streamed or seq.params.stop:
+            self.streams[seq.seq_id] = TextStream(self.tokenizer, seq.params.stop, streamed)
 
     def abort_request(self, seq: Sequence) -> None:
         """Finish a request now (its client went away): its blocks are free at once."""
@@ -220,7 +226,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             try:
                 out = self.model_runner.run(batch)
-                token_ids, logprobs = out.tolist(), out.logprob_dicts()
+                token_ids = out.tolist()
+                logprobs = out.logprob_dicts(token_ids)
             except BaseException:
                 self.scheduler.cancel(batch)  # its prompts wait again
                 raise
@@ -235,6 +242,8 @@ class LLMEngine:
     def _match_stop_strings(self, batch: Batch) -> list[Sequence]:
         """Decode the new tokens of the batch's text streams; finish those that met a stop
         string. Returns them."""
+        if not self.streams:  # no text followed: nothing to look up
+            return []
         stopped = []
         for seq in batch.seqs:
             if (text := self.streams.get(seq.seq_id)) is not None:
@@ -292,8 +301,7 @@ class LLMEngine:
                              "one per prompt, or a single SamplingParams for all")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]  # check all
         for seq in seqs:
-            if seq.params.stop:
-                self.streams[seq.seq_id] = TextStream(self.tokenizer, seq.params.stop, False)
+            self._follow_text(seq, streamed=False)
         try:
             return self._run_to_completion(seqs, use_tqdm)
         except BaseException:

@@ -52,6 +52,12 @@ def test_text_stream_adds_up_to_the_decoded_text():
             parts.append(stream.delta(n == len(ids)))
         assert "".join(parts) == tok.decode(ids, skip_special_tokens=True) == text
         assert "\ufffd" not in "".join(parts[:-1])  # never half a character
+    # a request that ends inside a character ends with U+FFFD, once, however often it is seen
+    ids = tok.encode("東")[:-1]
+    stream = TextStream(tok, (), True)
+    for _ in range(2):
+        stream.update(ids, finished=True)
+    assert stream.text == tok.decode(ids) == "\ufffd"
 
 
 def test_streamed_deltas_equal_the_generated_text(llm, prompts):
