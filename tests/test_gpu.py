@@ -3,6 +3,7 @@ shapes), comparing per-step logprobs the way vLLM's check_logprobs_close does (e
 the first near-tie, logprobs within a tolerance); CUDA-graph decode against eager decode;
 prefix-cache hit against no hit. Skipped on machines without CUDA."""
 import gc
+import os
 
 import pytest
 import torch
@@ -249,11 +250,12 @@ def test_tp2_matches_tp1_on_qwen3_0_6b_shapes(tmp_path, dtype):
                       rope_theta=1e6, initializer_range=0.02, architectures=["Qwen3ForCausalLM"])
     save_random_model(cfg, str(tmp_path))
     prompt_list = prompts(n=8, seed=5)
-    results = {}
+    results, shm_before = {}, set(os.listdir("/dev/shm"))
     for tp in (1, 2):
         with LLM(str(tmp_path), tensor_parallel_size=tp, num_kvcache_blocks=4096,
-                 max_model_len=1024, dtype=dtype) as llm:
+                 max_model_len=1024, dtype=dtype) as llm:  # CUDA graphs: shutdown must not hang
             results[tp] = record_logprobs(llm, prompt_list)
+    assert set(os.listdir("/dev/shm")) - shm_before == set()  # the workers' segment is gone
     assert_logprobs_close(*results[2], *results[1], tol=SAME_ENGINE_TOL)
     identical = sum(a == b for a, b in zip(results[2][0], results[1][0]))
     print(f"{dtype}: TP=2 vs TP=1: {identical}/{len(prompt_list)} sequences token-identical "
