@@ -84,6 +84,29 @@ class StepOutput:
                 for k, t, c, i, v in zip(self.logprob_ks, token_ids, chosen, ids, values)]
 
 
+def sampled_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The model's log-probabilities (before temperature and top-k/p, as vLLM reports them) of
+    the sampled tokens (S,) and of each row's k likeliest (S, k), ids and values, copied to the host
+    without waiting."""
+    logprobs = logits.float().log_softmax(-1)  # (S, V)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
+    top = logprobs.topk(k, -1)  # (S, k) each
+    return tuple(t.to("cpu", non_blocking=True) for t in (chosen, top.indices, top.values))
+
+
+def kv_cache_dtype(config: Config, device: torch.device) -> torch.dtype:
+    """The model's dtype, or fp8 e4m3 with kv_cache_dtype="fp8": K and V stored as they are
+    (per-tensor scale 1, as vLLM's default), rounded to 3 mantissa bits, saturating at +-448;
+    half the bytes of bf16, so twice the blocks fit. docs/performance.md measures the values'
+    range and what the rounding costs in accuracy."""
+    if config.kv_cache_dtype != "fp8":
+        return config.torch_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
+                         "(Ada, Hopper): use kv_cache_dtype='auto' on this one")
+    return torch.float8_e4m3fn
+
+
 def common_prefix_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
                          block_size: int) -> int:
     """How many leading block-table columns hold the same full block in every row: a shared
@@ -143,7 +166,7 @@ class ModelRunner:
         """Size the paged KV cache from the memory a worst-case forward pass leaves, allocate it."""
         layers = self.model.attention_layers()
         block = (self.block_size, layers[0].num_kv_heads, layers[0].head_dim)  # (B, Hkv, D)
-        kv_dtype = self._kv_cache_dtype()
+        kv_dtype = kv_cache_dtype(self.config, self.device)
         block_bytes = 2 * len(layers) * int(np.prod(block)) * kv_dtype.itemsize
         if (num_blocks := self.config.num_kvcache_blocks) is None:
             num_blocks = self._measure_num_blocks(block_bytes)
@@ -162,19 +185,6 @@ class ModelRunner:
                         f"({block_bytes // self.block_size:,} bytes per token), {kv_dtype}")
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-
-    def _kv_cache_dtype(self) -> torch.dtype:
-        """The model's dtype, or fp8 e4m3 with kv_cache_dtype="fp8": K and V stored as they are
-        (per-tensor scale 1, as vLLM's default), rounded to 3 mantissa bits, saturating at +-448;
-        half the bytes of bf16, so twice the blocks fit. docs/performance.md measures the values'
-        range and what the rounding costs in accuracy."""
-        if self.config.kv_cache_dtype != "fp8":
-            return self.config.torch_dtype
-        if (self.device.type == "cuda"
-                and torch.cuda.get_device_capability(self.device) < FP8_MIN_CAPABILITY):
-            raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
-                             "(Ada, Hopper): use kv_cache_dtype='auto' on this one")
-        return torch.float8_e4m3fn
 
     def _measure_num_blocks(self, block_bytes: int) -> int:
         if self.device.type == "cpu":
@@ -318,20 +328,11 @@ class ModelRunner:
         out = StepOutput(token_ids, host)
         if any(p.logprobs is not None for p in params):  # else no cost at all
             out.logprob_ks = [p.logprobs for p in params]
-            out.logprobs = self.logprobs(logits, token_ids, max(filter(None, out.logprob_ks),
-                                                                default=0))
+            k = max(filter(None, out.logprob_ks), default=0)  # logprobs=0: the sampled one only
+            out.logprobs = sampled_logprobs(logits, token_ids, k)
         if self.device.type == "cuda":  # after every copy to the host
             out.copied = torch.cuda.current_stream().record_event()
         return out
-
-    @staticmethod
-    def logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The model's log-probabilities (before temperature and top-k/p, as vLLM reports them)
-        of the sampled tokens and of each row's k likeliest, copied to the host without waiting."""
-        logprobs = logits.float().log_softmax(-1)  # (S, V)
-        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
-        top = logprobs.topk(k, -1)  # (S, k) each
-        return tuple(t.to("cpu", non_blocking=True) for t in (chosen, top.indices, top.values))
 
     def run(self, batch: Batch, input_ids: Tensor | None = None) -> StepOutput:
         """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns

@@ -133,19 +133,29 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                                      cache_stride_token, qk_scale, v_scale)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
-        for slot in range(0, first_slot):  # first_slot = number of prefix partials (0: no prefix)
-            # A partial (out, lse) is the online-softmax state m = lse, l = 1, acc = out: merged as
-            # a tile. An empty partial (LSE -inf) never wrote its output; both empty: weights 0.
-            row = q_rows * num_slots + slot  # (GROUP_PAD,) into part_lse (S, H, slots)
-            lse = tl.load(part_lse_ptr + row, mask=offs_g < GROUP, other=float("-inf"))
-            out = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                          mask=(lse > float("-inf"))[:, None], other=0.0)  # (GROUP_PAD, D)
-            m_new = tl.maximum(m_i, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: not exp2(nan)
-            alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
-            m_i, l_i, acc = m_new, l_i * alpha + beta, acc * alpha[:, None] + out * beta[:, None]
+        m_i, l_i, acc = _fold_partials(m_i, l_i, acc, q_rows, offs_g < GROUP, offs_d, first_slot,
+                                       num_slots, part_out_ptr, part_lse_ptr, HEAD_DIM)
     _store_decode_partial(acc, m_i, l_i, q_rows, offs_g < GROUP, offs_d, first_slot + split,
                           num_slots, out_ptr, part_out_ptr, part_lse_ptr, HEAD_DIM, SINGLE_SPLIT)
+
+
+@triton.jit
+def _fold_partials(m_i, l_i, acc, q_rows, row_mask, offs_d, num_partials, num_slots, part_out_ptr,
+                   part_lse_ptr, HEAD_DIM: tl.constexpr):
+    """Merge the first num_partials partials of rows q_rows (the cascade prefix kernel's) into the
+    online-softmax state (m_i, l_i, acc); returns the new state."""
+    for slot in range(0, num_partials):  # 0: no prefix
+        # A partial (out, lse) is the online-softmax state m = lse, l = 1, acc = out: merged as a
+        # tile. An empty partial (LSE -inf) never wrote its output; both empty: weights 0.
+        row = q_rows * num_slots + slot  # (ROWS,) into part_lse (S, H, slots)
+        lse = tl.load(part_lse_ptr + row, mask=row_mask, other=float("-inf"))
+        out = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=(lse > float("-inf"))[:, None], other=0.0)  # (ROWS, D)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: not exp2(nan)
+        alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
+        m_i, l_i, acc = m_new, l_i * alpha + beta, acc * alpha[:, None] + out * beta[:, None]
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -253,6 +263,33 @@ def _prefix_num_splits(row_tiles: int, num_kv_heads: int, max_blocks: int,
     return max(1, min(splits, max_blocks, MAX_SPLITS))
 
 
+def _check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                         context_lens: Tensor, num_splits: int,
+                         num_common_blocks: Tensor | None) -> None:
+    """paged_decode's input contract (see its docstring); an AssertionError names the broken one."""
+    (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
+    assert H % Hkv == 0 and k_cache.shape[3] == D and v_cache.shape == k_cache.shape
+    assert D >= 16 and D & (D - 1) == 0 and B >= 16 and B & (B - 1) == 0, "power-of-two D, B >= 16"
+    assert block_tables.shape[0] == S and block_tables.stride(1) == 1 and q.stride(2) == 1
+    assert block_tables.dtype == context_lens.dtype == torch.int32 and context_lens.shape == (S,)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and num_splits >= 1
+    assert num_common_blocks is None or (
+        (num_common_blocks.shape, num_common_blocks.dtype) == ((1,), torch.int32))
+
+
+def _partial_buffers(q: Tensor, prefix_splits: int, num_splits: int,
+                     out: Tensor) -> tuple[int, Tensor, Tensor]:
+    """Slots for partial results per (sequence, head), and the fp32 partial outputs (S, H, slots,
+    D) and LSEs (S, H, slots). The slots: the prefix splits', then the own splits', unless one own
+    split folds the prefix partials in and writes the answer itself (the big batches cascade is
+    for). With no slots the kernels get `out` in the buffers' place and never write it."""
+    num_slots = prefix_splits + (num_splits if num_splits > 1 else 0)
+    if not num_slots:
+        return 0, out, out
+    lse = q.new_empty(*q.shape[:2], num_slots, dtype=torch.float32)  # (S, H, slots)
+    return num_slots, lse.new_empty(*lse.shape, q.shape[2]), lse  # + outputs (S, H, slots, D)
+
+
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  context_lens: Tensor, scale: float, num_splits: int | None = None,
                  num_common_blocks: Tensor | None = None) -> Tensor:
@@ -265,33 +302,22 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
 
     Cascade attention: num_common_blocks, a (1,) int32 device tensor P (may be 0), says the first P
     block-table columns are the same full blocks for every sequence (a prefix-cache hit, say a
-    shared system prompt), with context_lens >= P * B (a row with context_len 0, a padded graph row,
-    is allowed and returns zeros). That prefix is then read once per CASCADE_ROWS query rows instead
-    of once per sequence, and merged by LSE with each sequence's own blocks. P stays on the device
-    so one captured graph replays for any P. It pays on big batches; on small ones the extra launch
-    costs more than the prefix reads it saves, so callers use it for big batches only.
+    shared system prompt), with context_lens >= P * B or 0 (a padded graph row: zeros out). That
+    prefix is then read once per CASCADE_ROWS query rows instead of once per sequence, and merged
+    by LSE with each sequence's own blocks; P stays on the device, so one graph replays for any P.
+    Callers use it for big batches only: on small ones the extra launch costs more than it saves.
     """
     if not use_triton(q):  # same math either way: the prefix changes only how often kernels read it
         return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
-    if num_splits is None:
-        num_splits = default_num_splits(S, Hkv, max_blocks, q.device)
-    assert H % Hkv == 0 and k_cache.shape[3] == D and v_cache.shape == k_cache.shape
-    assert D >= 16 and D & (D - 1) == 0 and B >= 16 and B & (B - 1) == 0, "power-of-two D, B >= 16"
-    assert block_tables.shape[0] == S and block_tables.stride(1) == 1 and q.stride(2) == 1
-    assert block_tables.dtype == context_lens.dtype == torch.int32 and context_lens.shape == (S,)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and 1 <= num_splits
+    num_splits = num_splits or default_num_splits(S, Hkv, max_blocks, q.device)
+    _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, num_splits,
+                         num_common_blocks)
     group, cascade = H // Hkv, num_common_blocks is not None
-    assert not cascade or (num_common_blocks.shape, num_common_blocks.dtype) == ((1,), torch.int32)
     row_tiles = triton.cdiv(S * group, CASCADE_ROWS)  # (sequence, query head) rows per KV head
     prefix_splits = _prefix_num_splits(row_tiles, Hkv, max_blocks, q.device) if cascade else 0
-    # partials per (sequence, head): the prefix splits', then the own splits' unless one own split
-    # folds the prefix partials in and writes the answer itself (the big batches cascade is for)
-    num_slots = prefix_splits + (num_splits if num_splits > 1 else 0)
     out = q.new_empty(S, H, D)  # (S, H, D)
-    # fp32 partial outputs (S, H, slots, D) and LSEs (S, H, slots); without any the kernels get out
-    part_out = q.new_empty(S, H, num_slots, D, dtype=torch.float32) if num_slots else out
-    part_lse = q.new_empty(S, H, num_slots, dtype=torch.float32) if num_slots else out
+    num_slots, part_out, part_lse = _partial_buffers(q, prefix_splits, num_splits, out)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
     launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B)
     if cascade:  # launched first: the per-sequence kernel folds its partials in
@@ -301,12 +327,11 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
             NUM_STAGES=CASCADE_NUM_STAGES, BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B),
             num_warps=CASCADE_NUM_WARPS, **launch)
     tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
-    # arange needs a power of two and tl.dot >= 16 rows: a group of 2 or 3 pads to 16, masked
-    group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
     _paged_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         scale * LOG2E, FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
-        GROUP_PAD=group_pad, CASCADE=cascade, SINGLE_SPLIT=num_splits == 1,
+        GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),  # arange: a power of two
+        CASCADE=cascade, SINGLE_SPLIT=num_splits == 1,
         BLOCKS_PER_ITER=max(1, tile // B),  # whole blocks per loop step
         NUM_STAGES=DECODE_NUM_STAGES, num_warps=DECODE_NUM_WARPS, **launch)
     if num_splits > 1:

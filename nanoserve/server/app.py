@@ -56,7 +56,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     async def metrics() -> Response:
         return Response(loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])
+    app.include_router(openai_routes(loop, model_name, api_key))
+    return app
+
+
+def openai_routes(loop: EngineLoop, model_name: str, api_key: str | None) -> APIRouter:
+    """/v1/models, /v1/completions and /v1/chat/completions, behind the API key if one is set."""
+    engine, v1 = loop.engine, APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])
 
     @v1.get("/models")
     async def models() -> dict:
@@ -86,8 +92,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                               body.engine_logprobs())
         return await respond(chat, stream, body, request)
 
-    app.include_router(v1)
-    return app
+    return v1
 
 
 # ---- checks --------------------------------------------------------------------------------------
