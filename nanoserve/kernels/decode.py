@@ -319,21 +319,20 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     out = q.new_empty(S, H, D)  # (S, H, D)
     num_slots, part_out, part_lse = _partial_buffers(q, prefix_splits, num_splits, out)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
-    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B)
+    # both kernels walk whole blocks, a tile's worth per loop step (an fp8 tile has twice the rows)
+    tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
+    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=max(1, tile // B))
     if cascade:  # launched first: the per-sequence kernel folds its partials in
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
             scale * LOG2E, FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
-            NUM_STAGES=CASCADE_NUM_STAGES, BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B),
-            num_warps=CASCADE_NUM_WARPS, **launch)
-    tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
+            NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch)
     _paged_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         scale * LOG2E, FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
         GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),  # arange: a power of two
-        CASCADE=cascade, SINGLE_SPLIT=num_splits == 1,
-        BLOCKS_PER_ITER=max(1, tile // B),  # whole blocks per loop step
-        NUM_STAGES=DECODE_NUM_STAGES, num_warps=DECODE_NUM_WARPS, **launch)
+        CASCADE=cascade, SINGLE_SPLIT=num_splits == 1, NUM_STAGES=DECODE_NUM_STAGES,
+        num_warps=DECODE_NUM_WARPS, **launch)
     if num_splits > 1:
         _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,
                                      SPLITS_PAD=triton.next_power_of_2(num_slots),
