@@ -310,7 +310,8 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     if not use_triton(q):  # same math either way: the prefix changes only how often kernels read it
         return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
-    num_splits = num_splits or default_num_splits(S, Hkv, max_blocks, q.device)
+    if num_splits is None:
+        num_splits = default_num_splits(S, Hkv, max_blocks, q.device)
     _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, num_splits,
                          num_common_blocks)
     group, cascade = H // Hkv, num_common_blocks is not None
