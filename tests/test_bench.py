@@ -144,17 +144,24 @@ def test_chart_on_cpu_and_from_merged_json_files(tmp_path):
         bench.chart(ROWS[4:], [META])
 
 
-def test_timing_runs_the_warmup_first_and_a_failure_becomes_a_row():
+def test_timing_runs_the_warmup_first_and_a_failure_becomes_a_row(monkeypatch):
     wl = bench.make_w1(4, 10, 20, 2, 5)
     runs = []
 
     @contextlib.contextmanager
     def fake_engine(model_dir, wl, args, device):
-        yield lambda w: runs.append(w.name) or list(w.output_lens)
+        yield lambda w: runs.append((w.name, w.prompts[0][0])) or list(w.output_lens)
 
+    # an instant workload is timed MAX_TIMED_RUNS times, relabeled after the first: the median
     row = bench.run_engine("fake", fake_engine, "unused", wl, argparse.Namespace(), "cpu")
-    assert runs == ["w1-warmup", "w1"] and row.note == "" and row.tokens_per_s > 0
-    assert row.output_tokens == wl.output_tokens and row.seconds > 0
+    assert [name for name, _ in runs] == ["w1-warmup"] + ["w1"] * bench.MAX_TIMED_RUNS
+    assert runs[1][1] == wl.prompts[0][0] and len({first for _, first in runs[1:]}) > 1
+    assert row.note == "" and row.tokens_per_s > 0 and len(row.runs) == bench.MAX_TIMED_RUNS
+    assert row.output_tokens == wl.output_tokens and row.seconds == sorted(row.runs)[2]
+    monkeypatch.setattr(bench, "MIN_TIMED_SECONDS", 0.0)  # a long workload: one timed run
+    runs.clear()
+    row = bench.run_engine("fake", fake_engine, "unused", wl, argparse.Namespace(), "cpu")
+    assert [name for name, _ in runs] == ["w1-warmup", "w1"] and row.runs == [row.seconds]
 
     @contextlib.contextmanager
     def short_engine(model_dir, wl, args, device):
@@ -218,3 +225,14 @@ def test_engine_smoke_on_tiny_model(tiny_model, engine):
     args = argparse.Namespace(eager=True, tp=1, hf_batch_size=2)
     row = bench.run_engine(engine, bench.ENGINES[engine], tiny_model, wl, args, "cpu")
     assert row.note == "" and row.tokens_per_s > 0
+
+
+def test_relabeled_workload_keeps_lengths_and_shared_prefixes_with_new_ids():
+    wl = bench.make_w2(6, 32, 4, 9, 3)
+    new = bench.relabeled(wl, 1)
+    assert [len(p) for p in new.prompts] == [len(p) for p in wl.prompts]
+    assert new.output_lens == wl.output_lens and new.name == wl.name
+    assert all(p[:32] == new.prompts[0][:32] for p in new.prompts)  # still one shared prefix
+    assert new.prompts[0][:32] != wl.prompts[0][:32]  # which the prefix cache has not seen
+    assert max(map(max, new.prompts)) <= bench.TOKEN_ID_MAX
+    assert bench.relabeled(wl, 1).prompts == new.prompts  # seeded: the same on every run
