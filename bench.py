@@ -8,7 +8,9 @@ nano-vllm's bench does) and ignores EOS, so each request yields exactly its max_
       output tokens each; nanoserve runs twice, prefix caching on and off.
 Both run Qwen3-0.6B's shapes with random bf16 weights, built and saved on this machine.
 Throughput = output tokens / wall time of the whole run, prefill included. Before it, each engine
-runs untimed as many random prompts of the same lengths for 1-16 tokens (warmup_workload).
+runs untimed as many random prompts of the same lengths for 1-16 tokens (warmup_workload). A run
+under MIN_TIMED_SECONDS is repeated with its token ids relabeled (new to the prefix cache, same
+shape), up to MAX_TIMED_RUNS runs, and the median counts.
 
 Engines, one after the other in this process (each freed before the next starts):
   nanoserve  LLM.generate over all requests at once.
