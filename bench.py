@@ -207,23 +207,28 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
                      prefix_caching: bool = True,
                      kv_cache_dtype: str = "auto") -> Iterator[Generate]:
     """nanoserve's LLM, given all of a workload's requests at once. The first one the bench
-    starts records its timed run for --timeline (the recording's host time is in that run)."""
+    starts records its first timed run for --timeline (the recording's host time is in that run;
+    the warm-up and the repeats of a short workload run without it)."""
     from nanoserve import LLM
     from nanoserve.timeline import Timeline
     timeline_path = vars(args).pop("timeline", None)  # taken: later nanoserve runs record nothing
     max_len = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
+    recorded: list[Timeline] = []
     with LLM(model_dir, enforce_eager=args.eager, enable_prefix_caching=prefix_caching,
              tensor_parallel_size=args.tp, max_model_len=max(MIN_MODEL_LEN, max_len),
              device=device, kv_cache_dtype=kv_cache_dtype) as llm:
         def generate(w: Workload) -> list[int]:
-            if timeline_path and w is wl:  # the timed run, not its warm-up
+            if timeline_path and w is wl:  # the first timed run (repeats are relabeled copies)
                 llm.timeline = Timeline(llm.config, llm.scheduler)
             outs = llm.generate(w.prompts, nanoserve_params(w), use_tqdm=False)
+            if llm.timeline is not None:  # one run recorded: the engine stops recording
+                recorded.append(llm.timeline)
+                llm.timeline = None
             return [len(o["token_ids"]) for o in outs]
         yield generate
-        if llm.timeline is not None:  # drawn after the timing
-            llm.timeline.plot(timeline_path)
-            log(f"wrote {timeline_path}")
+    if recorded:  # drawn after the timing
+        recorded[0].plot(timeline_path)
+        log(f"wrote {timeline_path}")
 
 
 def load_hf_model(model_dir: str, attn_implementation: str, device: str) -> "PreTrainedModel":

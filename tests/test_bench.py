@@ -227,6 +227,20 @@ def test_engine_smoke_on_tiny_model(tiny_model, engine):
     assert row.note == "" and row.tokens_per_s > 0
 
 
+def test_timeline_records_the_first_timed_run_only(tiny_model, tmp_path, monkeypatch):
+    """--timeline draws one timed run: not the warm-up, nor the repeats of a short workload."""
+    from nanoserve.timeline import Timeline
+    drawn = []
+    monkeypatch.setattr(Timeline, "plot", lambda self, path: drawn.append((self, path)))
+    wl = bench.make_w2(num_seqs=3, prefix_len=16, min_own=4, max_own=8, output_len=4)
+    path = str(tmp_path / "timeline.png")
+    args = argparse.Namespace(eager=True, tp=1, timeline=path)
+    row = bench.run_engine("nanoserve", bench.ENGINES["nanoserve"], tiny_model, wl, args, "cpu")
+    assert row.note == "" and len(row.runs) > 1  # the tiny w2 is short: it was repeated
+    assert len(drawn) == 1 and drawn[0][1] == path
+    assert len(drawn[0][0].rows) == len(wl.prompts)  # one run's requests, not every repeat's
+
+
 def test_relabeled_workload_keeps_lengths_and_shared_prefixes_with_new_ids():
     wl = bench.make_w2(6, 32, 4, 9, 3)
     new = bench.relabeled(wl, 1)
