@@ -64,7 +64,7 @@ class Metrics:
         else:
             for _ in range(num_tokens):  # a step that brought several tokens spreads its time
                 self.itl.observe(seconds / num_tokens)
-        self.generation_tokens.inc(len(out.token_ids))
+        self.generation_tokens.inc(num_tokens)
 
     def observe_finish(self, finish_reason: str, seconds: float) -> None:
         self.num_finished.labels(finished_reason=finish_reason).inc()
