@@ -8,7 +8,8 @@ are timed by wrapping the engine's methods: Scheduler's and ModelRunner's for bo
 OverlapLoop's too with overlap scheduling. On a CPU it runs a tiny model, as a smoke test.
 
     python tools/profile_steps.py [--workload w1|w2] [--no-prefix-caching] [--no-overlap]
-                                  [--kernels] [--prefill] [--json out.json]
+                                  [--kv-cache-dtype auto|fp8] [--kernels] [--prefill]
+                                  [--json out.json]
 """
 import argparse
 import json
@@ -198,6 +199,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workload", default="w1", choices=["w1", "w2"])
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-overlap", action="store_true", help="overlap_scheduling=False")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's dtype (fp8 needs a GPU)")
     p.add_argument("--kernels", action="store_true",
                    help="also print the torch.profiler kernel tables")
     p.add_argument("--prefill", action="store_true",
@@ -216,7 +219,7 @@ def main() -> None:
         model_dir = build_random_qwen3(cache / "qwen3-tiny-random", QWEN3_TINY, "cpu")
         wl = make_w1(8, 16, 64, 8, 32) if args.workload == "w1" else make_w2(8, 64, 8, 16, 16)
     with LLM(model_dir, max_model_len=4096, enable_prefix_caching=not args.no_prefix_caching,
-             overlap_scheduling=not args.no_overlap) as llm:
+             overlap_scheduling=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype) as llm:
         warm = warmup_workload(wl)  # as bench.py does
         llm.generate(warm.prompts, nanoserve_params(warm), use_tqdm=False)
         if args.prefill:
