@@ -13,10 +13,13 @@ CPU (default): the packaged default model (SmolLM2-135M-Instruct, float32) on th
 tests/test_e2e.py, 32 tokens (EOS ends a sequence). --gpu: random Qwen3- and Llama-shaped models
 (tests/test_gpu.py's) on random prompts, 24 tokens each, EOS ignored, in bf16 on a GPU (without
 one, in float32 on the CPU reference path).
+--round k or v (CPU): the second run keeps the cache in the model's dtype and rounds only K, or
+only V, through e4m3 as it stores them: which of the two parts the sequences.
 
-    python tools/fp8_accuracy.py [--gpu] [--json out.json]
+    python tools/fp8_accuracy.py [--gpu | --round k|v] [--json out.json]
 """
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -87,10 +90,34 @@ def value_ranges(kv_cache: Tensor) -> dict:
     return out
 
 
-def measure(model_dir: str, prompts: list, params: SamplingParams, **engine) -> dict:
+@contextlib.contextmanager
+def rounded_store(part: str):
+    """Within it, the CPU reference store rounds only K (part "k") or only V ("v") through e4m3
+    (as an fp8 cache would) before writing them into a cache in the model's dtype."""
+    from nanoserve import kernels
+    from nanoserve.kernels import rotary
+    store = rotary.store_kvcache_ref
+
+    def store_rounded(key: Tensor, value: Tensor, *caches_and_slots: Tensor) -> None:
+        def rounded(x: Tensor) -> Tensor:
+            return x.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(x.dtype)
+        key, value = (rounded(key), value) if part == "k" else (key, rounded(value))
+        store(key, value, *caches_and_slots)
+    rotary.store_kvcache_ref = kernels.store_kvcache_ref = store_rounded  # both callers' names
+    try:
+        yield
+    finally:
+        rotary.store_kvcache_ref = kernels.store_kvcache_ref = store
+
+
+def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "kv",
+            **engine) -> dict:
+    """Greedy runs with the cache in the model's dtype ("auto") and in fp8 (part "kv"), or with
+    only K or V rounded (part "k" or "v", CPU), compared."""
     runs = {}
     for kv in ("auto", "fp8"):
-        with LLM(model_dir, kv_cache_dtype=kv, **engine) as llm:
+        store = rounded_store(part) if kv == "fp8" and part != "kv" else contextlib.nullcontext()
+        with store, LLM(model_dir, kv_cache_dtype="auto" if part != "kv" else kv, **engine) as llm:
             if kv == "auto":
                 llm.model_runner.kv_cache.zero_()  # then the written slots are the non-zero ones
             runs[kv] = generate(llm, prompts, params)
@@ -107,14 +134,15 @@ def chat_prompts(model_dir: str) -> list[list[int]]:
                                     tokenize=True, return_dict=False) for q in QUESTIONS]
 
 
-def cpu_results() -> dict:
+def cpu_results(part: str) -> dict:
     from test_e2e import MAX_TOKENS
 
     from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
-    return {"SmolLM2-135M-Instruct (float32, CPU)": measure(model_dir, chat_prompts(model_dir),
-                                                             params)}
+    rounded = {"kv": "", "k": ", K rounded only", "v": ", V rounded only"}[part]
+    return {f"SmolLM2-135M-Instruct (float32, CPU{rounded})": measure(
+        model_dir, chat_prompts(model_dir), params, part)}
 
 
 def gpu_results() -> dict:
@@ -150,9 +178,13 @@ def report(name: str, r: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", action="store_true", help="random Qwen3 and Llama shapes on a GPU")
+    p.add_argument("--round", default="kv", choices=["kv", "k", "v"],
+                   help="CPU: round K and V (an fp8 cache), or only K, or only V")
     p.add_argument("--json", help="write the figures (per layer too) to this file")
     args = p.parse_args()
-    results = gpu_results() if args.gpu else cpu_results()
+    if args.gpu and args.round != "kv":
+        p.error("--round k or v patches the CPU reference store: leave out --gpu")
+    results = gpu_results() if args.gpu else cpu_results(args.round)
     for name, r in results.items():
         report(name, r)
     if args.json:

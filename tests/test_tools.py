@@ -1,0 +1,40 @@
+"""The developer tools' own logic, on the CPU: what fp8_accuracy.py rounds and how it compares."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoserve import kernels
+from nanoserve.kernels import rotary
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+fp8_accuracy = pytest.importorskip("fp8_accuracy")
+
+
+@pytest.mark.parametrize("part", ["k", "v"])
+def test_rounded_store_rounds_only_one_part(part: str) -> None:
+    torch.manual_seed(0)
+    key, value = torch.randn(4, 2, 16) * 3, torch.randn(4, 2, 16) * 3  # (N, Hkv, D)
+    k_cache, v_cache = torch.zeros(2, 2, 2, 16), torch.zeros(2, 2, 2, 16)  # (blocks, B, Hkv, D)
+    store = kernels.store_kvcache_ref
+    with fp8_accuracy.rounded_store(part):
+        kernels.store_kvcache_ref(key, value, k_cache, v_cache, torch.arange(4))
+    assert kernels.store_kvcache_ref is store and rotary.store_kvcache_ref is store  # restored
+    stored = {"k": k_cache.view(4, 2, 16), "v": v_cache.view(4, 2, 16)}
+    original = {"k": key, "v": value}
+    other = "v" if part == "k" else "k"
+    torch.testing.assert_close(stored[part], original[part].to(torch.float8_e4m3fn).float())
+    assert not torch.equal(stored[part], original[part])
+    assert torch.equal(stored[other], original[other])
+
+
+def test_compare_counts_identical_sequences_and_agreeing_tokens() -> None:
+    auto = ([[1, 2, 3], [4, 5, 6]], [[{1: -0.1}, {2: -0.2}, {3: -0.3}],
+                                      [{4: -0.4}, {5: -0.5}, {6: -0.6}]])
+    fp8 = ([[1, 2, 3], [4, 9, 6]], [[{1: -0.2}, {2: -0.2}, {3: -0.3}],
+                                     [{4: -0.4}, {9: -0.1}, {6: -0.6}]])
+    r = fp8_accuracy.compare(auto, fp8)
+    assert (r["identical_all"], r["agreeing_tokens"]) == (1, 4)  # 3 tokens, then 1 before 5 != 9
+    assert r["mean_abs_dlogprob"] == pytest.approx(0.1 / 4)
+    assert r["max_abs_dlogprob"] == pytest.approx(0.1)
