@@ -660,6 +660,20 @@ def test_prefill_attention_gpu() -> None:
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
+    """The layers' gather (gather and dequantize compiled into one kernel) equals the eager one."""
+    from nanoserve import layers
+    B, Hkv, D, lens = 16, 8, 128, [5, 0, 170, 320]
+    k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, cache_dtype, "cuda")
+    slots = kernels.context_slots(block_tables, cu_seqlens(lens, "cuda"), B)
+    compiled = layers.gather_kv(k_cache, v_cache, slots, torch.bfloat16)
+    for got, expect in zip(compiled, kernels.gather_kv(k_cache, v_cache, slots, torch.bfloat16)):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
 def test_decode_cuda_graph_gpu(cache_dtype: torch.dtype) -> None:
     """rotary_and_store + paged_decode captured once, replayed on new contents: equal to eager, no
     host sync."""
