@@ -225,9 +225,16 @@ def main() -> None:
         if args.prefill:
             return prefill_timing(llm) if CUDA else None
         records = instrument(llm)
+        before = torch.cuda.memory_stats() if CUDA else {}
         t = time.perf_counter()
         llm.generate(wl.prompts, nanoserve_params(wl), use_tqdm=False)
         total = time.perf_counter() - t
+        if CUDA:  # the caching allocator's slow paths: each can block the host
+            after = torch.cuda.memory_stats()
+            keys = ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                    "num_sync_all_streams")
+            print("allocator during the run:",
+                  {k: after.get(k, 0) - before.get(k, 0) for k in keys})
         print(f"{args.workload}: {wl.output_tokens / total:,.0f} tokens/s (instrumented: timers)")
         summary = summarize(records, total)
         if args.kernels and CUDA:
