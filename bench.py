@@ -741,7 +741,7 @@ def run_workload(wl: Workload, engines: list[str], model_dir: str, meta: dict,
     kv_dtypes = tuple(args.kv_cache_dtype.split(","))
     bounds = {kv: roofline_tokens_per_s(wl, meta["model"]["weight_bytes"],
                                         kv_bytes_per_token(meta["model"], kv), total_bw)
-              for kv in {"auto", *kv_dtypes}}                # "auto" for the peers' rows
+              for kv in dict.fromkeys(("auto", *kv_dtypes))}  # "auto": the peers' rows
     meta["workloads"][wl.name] = {"description": wl.description, "requests": len(wl.prompts),
                                   "output_tokens": wl.output_tokens,
                                   "roofline_tokens_per_s": bounds["auto"]}

@@ -87,9 +87,9 @@ def openai_routes(loop: EngineLoop, model_name: str, api_key: str | None) -> API
         limit = body.max_tokens if body.max_completion_tokens is None else (
             body.max_completion_tokens)
         max_tokens = room_left(engine, prompt) if limit is None else limit
-        stream = await loop.submit(prompt, body.sampling_params(max_tokens, body.engine_logprobs()))
-        chat = ChatCompletion(ResponseHead("chat", model_name), engine.tokenizer,
-                              body.engine_logprobs())
+        logprobs = body.engine_logprobs()
+        stream = await loop.submit(prompt, body.sampling_params(max_tokens, logprobs))
+        chat = ChatCompletion(ResponseHead("chat", model_name), engine.tokenizer, logprobs)
         return await respond(chat, stream, body, request)
 
     return v1
