@@ -226,8 +226,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             try:
                 out = self.model_runner.run(batch)
-                token_ids = out.tolist()
-                logprobs = out.logprob_dicts(token_ids)
+                token_ids, logprobs = out.tolist(), out.logprob_dicts()
             except BaseException:
                 self.scheduler.cancel(batch)  # its prompts wait again
                 raise
