@@ -18,9 +18,10 @@ from nanoserve.kernels.common import sm_count, use_triton
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is one instruction on the GPU
 # Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
-DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks), for either cache dtype
+DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks): more bytes in flight per program
+DECODE_TILE_TOKENS_FP8 = 128  # an fp8 cache's rows are half the bytes: twice the rows, same bytes
 FP8_V_SCALE = 1.0  # an fp8 cache holds K and V as they are: per-tensor scale 1 (see model_runner)
-DECODE_NUM_STAGES = 3  # software pipelining: K/V tiles double-buffered (see _tile_block_ids)
+DECODE_NUM_STAGES = 2  # software pipelining: the next step's loads fly during this one
 DECODE_NUM_WARPS = 4  # more warps per program were slower
 MIN_GROUP_ROWS = 16  # tl.dot (tensor cores) needs >= 16 rows: the GQA group is padded up to this
 SPLIT_PROGRAMS_PER_SM = 2  # split KV until the grid has this many programs per SM (~4 fit; 2 best)
@@ -56,18 +57,6 @@ def _split_block_range(context_len, first_block, BLOCK_SIZE: tl.constexpr):
     blocks_per_split = tl.cdiv(num_blocks - first_block, num_splits)
     block_start = first_block + split * blocks_per_split
     return block_start, tl.minimum(block_start + blocks_per_split, num_blocks)  # [start, end)
-
-
-@triton.jit
-def _tile_block_ids(table_ptr, block, block_end, offs_t, BLOCK_SIZE: tl.constexpr):
-    """Block ids (TILE,) of the tile that starts at the sequence's block `block` (table_ptr: its
-    row of the block tables); 0 past block_end: no entry past the sequence's blocks is read.
-    The loops load them one tile ahead. A K/V address that needs a load of the same loop step
-    cannot be issued early, and Triton's pipeliner then keeps a single K/V buffer: the next tile's
-    loads wait for this tile's math. With the ids known a step early it double-buffers K/V in
-    shared memory, and the next tile's bytes fly while this one is computed."""
-    seq_block = block + offs_t // BLOCK_SIZE
-    return tl.load(table_ptr + seq_block, mask=seq_block < block_end, other=0)
 
 
 @triton.jit
@@ -130,17 +119,16 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
-    table = block_tables_ptr + seq * block_tables_stride  # this sequence's block ids
-    block_id = _tile_block_ids(table, block_start, block_end, offs_t, BLOCK_SIZE)  # (TILE,)
     for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
         seq_block = block + offs_t // BLOCK_SIZE  # (TILE,) the sequence's block index of each row
+        in_split = seq_block < block_end  # never read block-table entries past the sequence's end
+        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + seq_block, mask=in_split,
+                           other=0)  # (TILE,)
         offset = offs_t % BLOCK_SIZE
-        # past the split's end, or in the ragged last block: not a token of this tile
-        valid = (seq_block < block_end) & (seq_block * BLOCK_SIZE + offset < context_len)
+        valid = in_split & (seq_block * BLOCK_SIZE + offset < context_len)  # ragged last block
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset,
                                      valid, kv_head * HEAD_DIM, offs_d, cache_stride_block,
                                      cache_stride_token, qk_scale, v_scale)
-        block_id = _tile_block_ids(table, block + BLOCKS_PER_ITER, block_end, offs_t, BLOCK_SIZE)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
         m_i, l_i, acc = _fold_partials(m_i, l_i, acc, q_rows, offs_g < GROUP, offs_d, first_slot,
@@ -210,15 +198,14 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    # row 0 of the block tables: every row has the same prefix
-    block_id = _tile_block_ids(block_tables_ptr, block_start, block_end, offs_t, BLOCK_SIZE)
     for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
-        valid = (block + offs_t // BLOCK_SIZE) < block_end  # full prefix blocks: the split ends
+        seq_block = block + offs_t // BLOCK_SIZE  # (TILE,)
+        valid = seq_block < block_end  # prefix blocks are full: only the split's end masks
+        # row 0 of the block tables: every row has the same prefix
+        block_id = tl.load(block_tables_ptr + seq_block, mask=valid, other=0)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id,
                                      offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
                                      cache_stride_block, cache_stride_token, qk_scale, v_scale)
-        block_id = _tile_block_ids(block_tables_ptr, block + BLOCKS_PER_ITER, block_end, offs_t,
-                                   BLOCK_SIZE)
     # a padded CUDA-graph row (context_len 0) does not hold the prefix: drop its share (LSE -inf)
     l_i = tl.where(tl.load(context_lens_ptr + seq, mask=row_mask, other=0) >= prefix_len, l_i, 0.0)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (ROWS,) rows of out (S * H, D)
@@ -331,9 +318,9 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     out = q.new_empty(S, H, D)  # (S, H, D)
     num_slots, part_out, part_lse = _partial_buffers(q, prefix_splits, num_splits, out)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
-    # both kernels walk whole blocks, a tile's worth per loop step
-    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B,
-                  BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B))
+    # both kernels walk whole blocks, a tile's worth per loop step (an fp8 tile has twice the rows)
+    tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
+    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=max(1, tile // B))
     if cascade:  # launched first: the per-sequence kernel folds its partials in
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
