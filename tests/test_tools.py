@@ -38,3 +38,14 @@ def test_compare_counts_identical_sequences_and_agreeing_tokens() -> None:
     assert (r["identical_all"], r["agreeing_tokens"]) == (1, 4)  # 3 tokens, then 1 before 5 != 9
     assert r["mean_abs_dlogprob"] == pytest.approx(0.1 / 4)
     assert r["max_abs_dlogprob"] == pytest.approx(0.1)
+
+
+def test_more_questions_are_new_chat_prompts() -> None:
+    from test_e2e import QUESTIONS
+
+    from nanoserve.weights import default_model_dir
+    more = fp8_accuracy.MORE_QUESTIONS
+    assert len(more) == len(set(more)) == 48 and not set(more) & set(QUESTIONS)
+    prompts = fp8_accuracy.chat_prompts(default_model_dir(), more)
+    assert len(prompts) == 48 and all(isinstance(t, int) for p in prompts for t in p)
+    assert len({tuple(p) for p in prompts}) == 48  # each question its own prompt

@@ -15,8 +15,10 @@ tests/test_e2e.py, 32 tokens (EOS ends a sequence). --gpu: random Qwen3- and Lla
 one, in float32 on the CPU reference path).
 --round k or v (CPU): the second run keeps the cache in the model's dtype and rounds only K, or
 only V, through e4m3 as it stores them: which of the two parts the sequences.
+--questions more (CPU): 48 other chat questions (MORE_QUESTIONS) in the place of the 8 of
+tests/test_e2e.py, to see how far a count over 8 sequences carries.
 
-    python tools/fp8_accuracy.py [--gpu | --round k|v] [--json out.json]
+    python tools/fp8_accuracy.py [--gpu | --round k|v] [--questions e2e|more] [--json out.json]
 """
 import argparse
 import contextlib
@@ -38,6 +40,29 @@ FP8_MAX = 448.0  # e4m3's largest value
 FP8_MIN_NORMAL = 2.0**-6  # below it e4m3 is subnormal: fewer significant bits
 TOP_K = 5
 PREFIX = 16  # sequences are also compared over their first PREFIX tokens
+MORE_QUESTIONS = [  # short chat questions of the kind tests/test_e2e.py asks, none of its own
+    "What is the boiling point of water in Celsius?",
+    "Name a famous painting by Leonardo da Vinci.", "Why is the sky blue?", "What does a CPU do?",
+    "Suggest a name for a pet goldfish.",
+    "How do plants make food?", "What is the largest planet in our solar system?",
+    "Give me a synonym for happy.", "What is the square root of 81?",
+    "Describe a cat in one sentence.", "What language is spoken in Brazil?",
+    "Write a short poem about autumn.", "What is gravity?", "How many days are in a leap year?",
+    "Name three fruits that are red.", "What is the opposite of cold?", "Explain what an API is.",
+    "Who wrote Romeo and Juliet?", "What is photosynthesis?",
+    "Give a tip for staying focused while studying.", "What is the chemical symbol for gold?",
+    "How many continents are there?", "What is a noun?", "Tell me a fun fact about octopuses.",
+    "What is 7 plus 15?", "Why do we need sleep?", "What is the tallest mountain in the world?",
+    "Explain recursion in one sentence.", "Name a musical instrument with strings.",
+    "What is the freezing point of water in Fahrenheit?", "How does a rainbow form?",
+    "What is the main ingredient of guacamole?", "Write one sentence about the moon.",
+    "What is a prime number?", "Name two animals that live in the ocean.",
+    "What is the capital of Japan?", "How many hours are in a day?", "What is a verb?",
+    "Give me a healthy breakfast idea.", "What does DNA stand for?",
+    "What is the speed of light, roughly?", "Explain what a database is.",
+    "What color do you get by mixing blue and yellow?", "How many sides does a hexagon have?",
+    "What is the capital of Italy?", "Why do leaves change color in autumn?",
+    "Write a one-line motivational quote.", "What is machine learning?"]
 
 
 def generate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list, list]:
@@ -126,23 +151,23 @@ def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "
     return {**compare(runs["auto"], runs["fp8"]), "kv_ranges": ranges}
 
 
-def chat_prompts(model_dir: str) -> list[list[int]]:
-    from test_e2e import QUESTIONS
+def chat_prompts(model_dir: str, questions: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for q in QUESTIONS]
+                                    tokenize=True, return_dict=False) for q in questions]
 
 
-def cpu_results(part: str) -> dict:
-    from test_e2e import MAX_TOKENS
+def cpu_results(part: str, questions: str = "e2e") -> dict:
+    from test_e2e import MAX_TOKENS, QUESTIONS
 
     from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
     rounded = {"kv": "", "k": ", K rounded only", "v": ", V rounded only"}[part]
-    return {f"SmolLM2-135M-Instruct (float32, CPU{rounded})": measure(
-        model_dir, chat_prompts(model_dir), params, part)}
+    asked = QUESTIONS if questions == "e2e" else MORE_QUESTIONS
+    name = f"SmolLM2-135M-Instruct (float32, CPU{rounded}, {len(asked)} questions)"
+    return {name: measure(model_dir, chat_prompts(model_dir, asked), params, part)}
 
 
 def gpu_results() -> dict:
@@ -180,11 +205,13 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="random Qwen3 and Llama shapes on a GPU")
     p.add_argument("--round", default="kv", choices=["kv", "k", "v"],
                    help="CPU: round K and V (an fp8 cache), or only K, or only V")
+    p.add_argument("--questions", default="e2e", choices=["e2e", "more"],
+                   help="CPU: the 8 chat questions of tests/test_e2e.py, or 48 others")
     p.add_argument("--json", help="write the figures (per layer too) to this file")
     args = p.parse_args()
-    if args.gpu and args.round != "kv":
-        p.error("--round k or v patches the CPU reference store: leave out --gpu")
-    results = gpu_results() if args.gpu else cpu_results(args.round)
+    if args.gpu and (args.round != "kv" or args.questions != "e2e"):
+        p.error("--round and --questions choose what the CPU run does: leave out --gpu")
+    results = gpu_results() if args.gpu else cpu_results(args.round, args.questions)
     for name, r in results.items():
         report(name, r)
     if args.json:
