@@ -238,12 +238,13 @@ def test_kv_cache_too_small_names_missing_memory(model_dir):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tp2_matches_tp1_on_qwen3_0_6b_shapes(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"),
+                                                   ("bfloat16", "fp8")])
+def test_tp2_matches_tp1_on_qwen3_0_6b_shapes(tmp_path, dtype, kv_cache_dtype):
     """Qwen3-0.6B's full shapes (28 layers, 16 q / 8 KV heads, vocab 151936) with random weights,
     on two GPUs. bf16: TP=2 sums the row-parallel products in another order, so greedy tokens may
     part at near-ties (often half the sequences); float32 rounds ~65,000x finer: the tokens must be
-    identical."""
+    identical. With an fp8 cache each rank rounds its own heads' K and V as one GPU does."""
     cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
@@ -253,12 +254,13 @@ def test_tp2_matches_tp1_on_qwen3_0_6b_shapes(tmp_path, dtype):
     results, shm_before = {}, set(os.listdir("/dev/shm"))
     for tp in (1, 2):
         with LLM(str(tmp_path), tensor_parallel_size=tp, num_kvcache_blocks=4096,
-                 max_model_len=1024, dtype=dtype) as llm:  # CUDA graphs: shutdown must not hang
+                 max_model_len=1024, dtype=dtype,
+                 kv_cache_dtype=kv_cache_dtype) as llm:  # CUDA graphs: shutdown must not hang
             results[tp] = record_logprobs(llm, prompt_list)
     assert set(os.listdir("/dev/shm")) - shm_before == set()  # the workers' segment is gone
     assert_logprobs_close(*results[2], *results[1], tol=SAME_ENGINE_TOL)
     identical = sum(a == b for a, b in zip(results[2][0], results[1][0]))
-    print(f"{dtype}: TP=2 vs TP=1: {identical}/{len(prompt_list)} sequences token-identical "
-          f"over {MAX_TOKENS} tokens")
+    print(f"{dtype}, {kv_cache_dtype} cache: TP=2 vs TP=1: {identical}/{len(prompt_list)} "
+          f"sequences token-identical over {MAX_TOKENS} tokens")
     if dtype == "float32":
         assert results[2][0] == results[1][0]
