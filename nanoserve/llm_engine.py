@@ -226,7 +226,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             try:
                 out = self.model_runner.run(batch)
-                token_ids, logprobs = out.tolist(), out.logprob_dicts()
+                token_ids = out.tolist()
+                logprobs = out.logprob_dicts(token_ids)
             except BaseException:
                 self.scheduler.cancel(batch)  # its prompts wait again
                 raise

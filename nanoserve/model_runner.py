@@ -74,14 +74,14 @@ class StepOutput:
             self.copied.synchronize()
         return self.host.tolist()
 
-    def logprob_dicts(self) -> list[dict[int, float] | None] | None:
-        """Per row: {sampled token: its logprob, then the k likeliest: theirs}, or None. Call it
-        after tolist(), which waits for the copies."""
+    def logprob_dicts(self, token_ids: list[int]) -> list[dict[int, float] | None] | None:
+        """Per row: {sampled token: its logprob, then the k likeliest: theirs}, or None.
+        token_ids: tolist()'s, which has waited for the copies."""
         if self.logprobs is None:
             return None
         chosen, ids, values = (t.tolist() for t in self.logprobs)
         return [None if k is None else {t: c} | dict(zip(i[:k], v[:k]))
-                for k, t, c, i, v in zip(self.logprob_ks, self.tolist(), chosen, ids, values)]
+                for k, t, c, i, v in zip(self.logprob_ks, token_ids, chosen, ids, values)]
 
 
 def sampled_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -81,7 +81,8 @@ class OverlapLoop:
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
-        token_ids, logprobs = out.tolist(), out.logprob_dicts()
+        token_ids = out.tolist()
+        logprobs = out.logprob_dicts(token_ids)
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING and not seq.is_finished:
                 seq.token_ids.pop()  # the real token (postprocess appends it) replaces it

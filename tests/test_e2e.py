@@ -211,7 +211,7 @@ def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir,
         def tolist(self):
             raise RuntimeError("simulated failure")
 
-        def logprob_dicts(self):
+        def logprob_dicts(self, token_ids):
             raise RuntimeError("simulated failure")
     with LLM(model_dir) as llm:
         run, others = llm.model_runner.run, []

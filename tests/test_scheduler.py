@@ -331,7 +331,7 @@ class FakeOutput:
             raise RuntimeError("simulated failure")
         return self.token_ids.tolist()
 
-    def logprob_dicts(self) -> None:
+    def logprob_dicts(self, token_ids: list[int]) -> None:
         return None  # no request asks for logprobs
 
 
