@@ -124,8 +124,8 @@ def rounded_store(part: str):
     store = rotary.store_kvcache_ref
 
     def store_rounded(key: Tensor, value: Tensor, *caches_and_slots: Tensor) -> None:
-        def rounded(x: Tensor) -> Tensor:
-            return x.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(x.dtype)
+        def rounded(x: Tensor) -> Tensor:  # as an fp8 cache stores it, back in x's dtype
+            return rotary.to_fp8(x).to(x.dtype)
         key, value = (rounded(key), value) if part == "k" else (key, rounded(value))
         store(key, value, *caches_and_slots)
     rotary.store_kvcache_ref = kernels.store_kvcache_ref = store_rounded  # both callers' names

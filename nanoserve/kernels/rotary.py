@@ -136,19 +136,24 @@ def rotary_and_store_ref(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos
     return q, k
 
 
+def to_fp8(x: Tensor) -> Tensor:
+    """x as e4m3 (scale 1, rounded to nearest even), saturated at +-448 as the GPU's conversion
+    does: older torch casts give NaN past 480, newer ones saturate."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    return x.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+
+
 def store_kvcache_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> None:
     """Write key/value (N, Hkv, D) into the caches at slot_mapping (N,); slot -1 writes nowhere.
-    An fp8 cache stores the values cast to e4m3 (scale 1, rounded to nearest even), saturated at
-    +-448 as the GPU's conversion does. Boolean masking syncs: the CPU path and test oracle only,
-    never in a CUDA graph."""
+    An fp8 cache stores them through to_fp8. Boolean masking syncs: the CPU path and test oracle
+    only, never in a CUDA graph."""
     N, Hkv, D = key.shape
     assert value.shape == key.shape and k_cache.shape[2:] == (Hkv, D) and slot_mapping.shape == (N,)
     keep = slot_mapping >= 0  # (N,) drop padded slots (-1)
     slots = slot_mapping[keep].long()
-    if k_cache.dtype == torch.float8_e4m3fn:  # older torch casts give NaN past 480, newer saturate
-        fp8_max = torch.finfo(k_cache.dtype).max
-        key, value = key.clamp(-fp8_max, fp8_max), value.clamp(-fp8_max, fp8_max)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        key, value = to_fp8(key), to_fp8(value)
     # (num_blocks * B, Hkv, D): slot rows (an indexed assignment: CPU index_copy_ has no fp8)
     k_cache.view(-1, Hkv, D)[slots] = key[keep].to(k_cache.dtype)
     v_cache.view(-1, Hkv, D)[slots] = value[keep].to(v_cache.dtype)
