@@ -324,8 +324,7 @@ class ModelRunner:
                   if any(p.top_p < 1 for p in params) else None)
         token_ids = self.sampler(logits, temperatures, keys, top_ks, top_ps)  # (S,) int64
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
-        host = token_ids.to("cpu", non_blocking=True)
-        out = StepOutput(token_ids, host)
+        out = StepOutput(token_ids, token_ids.to("cpu", non_blocking=True))
         if any(p.logprobs is not None for p in params):  # else no cost at all
             out.logprob_ks = [p.logprobs for p in params]
             k = max(filter(None, out.logprob_ks), default=0)  # logprobs=0: the sampled one only

@@ -326,6 +326,9 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
             scale * LOG2E, FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
             NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch)
+        # A sequence's own blocks after a shared prefix are often few, and the last tile's empty
+        # rows cost an fp8 tile its conversions all the same: the own blocks go in bf16's tiles
+        launch["BLOCKS_PER_ITER"] = max(1, DECODE_TILE_TOKENS // B)
     _paged_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         scale * LOG2E, FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
