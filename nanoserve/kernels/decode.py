@@ -20,6 +20,7 @@ LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is one instructi
 # Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
 DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks): more bytes in flight per program
 DECODE_TILE_TOKENS_FP8 = 128  # an fp8 cache's rows are half the bytes: twice the rows, same bytes
+# (except a sequence's own blocks after a shared prefix, often few: see paged_decode)
 FP8_V_SCALE = 1.0  # an fp8 cache holds K and V as they are: per-tensor scale 1 (see model_runner)
 DECODE_NUM_STAGES = 2  # software pipelining: the next step's loads fly during this one
 DECODE_NUM_WARPS = 4  # more warps per program were slower
