@@ -14,7 +14,7 @@ tests/test_e2e.py, 32 tokens (EOS ends a sequence). --gpu: random Qwen3- and Lla
 (tests/test_gpu.py's) on random prompts, 24 tokens each, EOS ignored, in bf16 on a GPU (without
 one, in float32 on the CPU reference path).
 --round k or v (CPU): the second run keeps the cache in the model's dtype and rounds only K, or
-only V, through e4m3 as it stores them: which of the two parts the sequences.
+only V, through e4m3 as it stores them: which of the two makes the sequences part.
 --questions more (CPU): 48 other chat questions (MORE_QUESTIONS) in the place of the 8 of
 tests/test_e2e.py, to see how far a count over 8 sequences carries.
 
