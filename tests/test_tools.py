@@ -49,3 +49,19 @@ def test_more_questions_are_new_chat_prompts() -> None:
     prompts = fp8_accuracy.chat_prompts(default_model_dir(), more)
     assert len(prompts) == 48 and all(isinstance(t, int) for p in prompts for t in p)
     assert len({tuple(p) for p in prompts}) == 48  # each question its own prompt
+
+
+def test_forced_requests_ask_every_position_of_the_outputs() -> None:
+    requests, chosen = fp8_accuracy.forced_requests([[7, 8], [9]], [[1, 2, 3], [4]])
+    assert requests == [[7, 8], [7, 8, 1], [7, 8, 1, 2], [9]]
+    assert chosen == [1, 2, 3, 4]
+
+
+def test_compare_forced_counts_top_token_agreement_and_chosen_deltas() -> None:
+    chosen = [1, 2, 3]
+    auto = ([[1], [2], [3]], [[{1: -0.1, 5: -2.0}], [{2: -0.2}], [{3: -0.3}]])
+    fp8 = ([[1], [5], [3]], [[{1: -0.3, 5: -1.9}], [{5: -0.5, 2: -0.9}], [{7: -0.1}]])
+    r = fp8_accuracy.compare_forced(auto, fp8, chosen)
+    assert r["forced_positions"] == 3 and r["forced_compared"] == 2  # token 3 not in fp8's top-k
+    assert r["forced_top1_agreement"] == pytest.approx(2 / 3)
+    assert r["forced_mean_abs_dlogprob"] == pytest.approx((0.2 + 0.7) / 2)

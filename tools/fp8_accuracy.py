@@ -17,8 +17,13 @@ one, in float32 on the CPU reference path).
 only V, through e4m3 as it stores them: which of the two makes the sequences part.
 --questions more (CPU): 48 other chat questions (MORE_QUESTIONS) in the place of the 8 of
 tests/test_e2e.py, to see how far a count over 8 sequences carries.
+--teacher-forced: also ask every position of the "auto" run's outputs as a one-token request (its
+prompt plus the tokens before it) of both caches, and count how often their top tokens agree and
+the mean |delta logprob| of the "auto" run's token there. Sequences that part no longer decide what
+is compared, and prefix-cache hits make every key come back from the cache, as in decode.
 
-    python tools/fp8_accuracy.py [--gpu | --round k|v] [--questions e2e|more] [--json out.json]
+    python tools/fp8_accuracy.py [--gpu | --round k|v] [--questions e2e|more] [--teacher-forced]
+                                 [--json out.json]
 """
 import argparse
 import contextlib
@@ -91,6 +96,24 @@ def compare(auto: tuple[list, list], fp8: tuple[list, list]) -> dict:
             "max_abs_dlogprob_top5": max(top)}
 
 
+def forced_requests(prompts: list, outputs: list) -> tuple[list, list]:
+    """Every position of the outputs as a one-token request (the prompt and the output's tokens
+    before it), and the token the output has there."""
+    requests = [prompt + out[:t] for prompt, out in zip(prompts, outputs) for t in range(len(out))]
+    return requests, [token for out in outputs for token in out]
+
+
+def compare_forced(auto: tuple[list, list], fp8: tuple[list, list], chosen: list) -> dict:
+    """One-token runs of the same requests: how often the top tokens agree, and |delta logprob| of
+    the chosen tokens (where both runs' top-k hold one)."""
+    (ids_a, lps_a), (ids_b, lps_b) = auto, fp8
+    deltas = [abs(lp_a[0][t] - lp_b[0][t]) for lp_a, lp_b, t in zip(lps_a, lps_b, chosen)
+              if t in lp_a[0] and t in lp_b[0]]
+    return {"forced_positions": len(chosen), "forced_compared": len(deltas),
+            "forced_top1_agreement": statistics.fmean(a == b for a, b in zip(ids_a, ids_b)),
+            "forced_mean_abs_dlogprob": statistics.fmean(deltas)}
+
+
 def rounding_error(x: Tensor, scale: float) -> float:
     """Relative RMS error of x (fp32) stored as e4m3 with this scale (x / scale, rounded, times
     scale)."""
@@ -136,10 +159,10 @@ def rounded_store(part: str):
 
 
 def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "kv",
-            **engine) -> dict:
+            forced: bool = False, **engine) -> dict:
     """Greedy runs with the cache in the model's dtype ("auto") and in fp8 (part "kv"), or with
-    only K or V rounded (part "k" or "v", CPU), compared."""
-    runs = {}
+    only K or V rounded (part "k" or "v", CPU), compared; forced: teacher-forced too."""
+    runs, forced_runs = {}, {}
     for kv in ("auto", "fp8"):
         store = rounded_store(part) if kv == "fp8" and part != "kv" else contextlib.nullcontext()
         with store, LLM(model_dir, kv_cache_dtype="auto" if part != "kv" else kv, **engine) as llm:
@@ -148,7 +171,12 @@ def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "
             runs[kv] = generate(llm, prompts, params)
             if kv == "auto":
                 ranges = value_ranges(llm.model_runner.kv_cache)
-    return {**compare(runs["auto"], runs["fp8"]), "kv_ranges": ranges}
+            if forced:  # the "auto" run's outputs, asked of this cache
+                requests, chosen = forced_requests(prompts, runs["auto"][0])
+                one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=TOP_K)
+                forced_runs[kv] = generate(llm, requests, one)
+    r = {**compare(runs["auto"], runs["fp8"]), "kv_ranges": ranges}
+    return {**r, **compare_forced(forced_runs["auto"], forced_runs["fp8"], chosen)} if forced else r
 
 
 def chat_prompts(model_dir: str, questions: list[str]) -> list[list[int]]:
@@ -158,7 +186,7 @@ def chat_prompts(model_dir: str, questions: list[str]) -> list[list[int]]:
                                     tokenize=True, return_dict=False) for q in questions]
 
 
-def cpu_results(part: str, questions: str = "e2e") -> dict:
+def cpu_results(part: str, questions: str = "e2e", forced: bool = False) -> dict:
     from test_e2e import MAX_TOKENS, QUESTIONS
 
     from nanoserve.weights import default_model_dir
@@ -167,10 +195,10 @@ def cpu_results(part: str, questions: str = "e2e") -> dict:
     rounded = {"kv": "", "k": ", K rounded only", "v": ", V rounded only"}[part]
     asked = QUESTIONS if questions == "e2e" else MORE_QUESTIONS
     name = f"SmolLM2-135M-Instruct (float32, CPU{rounded}, {len(asked)} questions)"
-    return {name: measure(model_dir, chat_prompts(model_dir, asked), params, part)}
+    return {name: measure(model_dir, chat_prompts(model_dir, asked), params, part, forced)}
 
 
-def gpu_results() -> dict:
+def gpu_results(forced: bool = False) -> dict:
     from test_gpu import MAX_TOKENS, SHAPES, prompts, save_random_model
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
     results, dtype = {}, "bf16" if torch.cuda.is_available() else "float32, CPU"
@@ -178,8 +206,8 @@ def gpu_results() -> dict:
         with tempfile.TemporaryDirectory() as model_dir:
             save_random_model(make_config(), model_dir)
             results[f"random {name} shapes ({dtype})"] = measure(
-                model_dir, prompts(n=16, seed=8), params, num_kvcache_blocks=4096,
-                max_model_len=1024)
+                model_dir, prompts(n=16, seed=8), params, forced=forced,
+                num_kvcache_blocks=4096, max_model_len=1024)
     return results
 
 
@@ -191,6 +219,10 @@ def report(name: str, r: dict) -> None:
           f"where both agree: mean |dlogprob| {r['mean_abs_dlogprob']:.4f}, max "
           f"{r['max_abs_dlogprob']:.4f}; max over the top-{TOP_K}: "
           f"{r['max_abs_dlogprob_top5']:.4f}")
+    if "forced_positions" in r:
+        print(f"  teacher-forced, {r['forced_positions']} positions: top tokens agree at "
+              f"{100 * r['forced_top1_agreement']:.2f}%; mean |dlogprob| of the auto run's token "
+              f"{r['forced_mean_abs_dlogprob']:.4f} (over {r['forced_compared']})")
     for kv, s in r["kv_ranges"].items():
         print(f"  {kv} over {len(s['amax'])} layers: max |value| {max(s['amax']):.3g} (per layer "
               f"{min(s['amax']):.3g}-{max(s['amax']):.3g}); below 2^-6: "
@@ -207,11 +239,15 @@ def main() -> None:
                    help="CPU: round K and V (an fp8 cache), or only K, or only V")
     p.add_argument("--questions", default="e2e", choices=["e2e", "more"],
                    help="CPU: the 8 chat questions of tests/test_e2e.py, or 48 others")
+    p.add_argument("--teacher-forced", action="store_true",
+                   help="also compare both caches on every position of the auto run's outputs")
     p.add_argument("--json", help="write the figures (per layer too) to this file")
     args = p.parse_args()
     if args.gpu and (args.round != "kv" or args.questions != "e2e"):
         p.error("--round and --questions choose what the CPU run does: leave out --gpu")
-    results = gpu_results() if args.gpu else cpu_results(args.round, args.questions)
+    forced = args.teacher_forced
+    results = (gpu_results(forced) if args.gpu
+               else cpu_results(args.round, args.questions, forced))
     for name, r in results.items():
         report(name, r)
     if args.json:
