@@ -39,13 +39,18 @@ def prompts(model_dir: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+def hf_model(model_dir: str) -> AutoModelForCausalLM:
+    """The default model in transformers, float32: the full-precision reference."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
     """Transformers' greedy continuation of each prompt, one at a time (no padding)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
             outs.append(out[0, len(ids):].tolist())
     return outs
 
@@ -288,7 +293,7 @@ FP8_MEAN_LOGPROB_TOL = 0.08  # nats, mean over the tokens where the fp8 run stil
 NEAR_TIE = 0.2  # nats between two tokens of the full-precision model: either may win
 
 
-def test_fp8_kv_cache_stays_close(model_dir, prompts, hf_outputs):
+def test_fp8_kv_cache_stays_close(model_dir, prompts, hf_model, hf_outputs):
     """kv_cache_dtype="fp8" (e4m3, scale 1) against the full-precision cache, whose greedy tokens
     are transformers' (test_greedy_matches_transformers), so transformers' logprobs of the fp8
     run's tokens, teacher-forced, stand in for it. Over the tokens where both agree, the sampled
@@ -297,12 +302,11 @@ def test_fp8_kv_cache_stays_close(model_dir, prompts, hf_outputs):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
     with LLM(model_dir, kv_cache_dtype="fp8") as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     deltas, identical = [], 0
     for ids, out, ref in zip(prompts, outs, hf_outputs):
         tokens = out["token_ids"]
         with torch.no_grad():  # row i: the full-precision logprobs of the fp8 run's token i
-            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]
+            logits = hf_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]
         full = logits.log_softmax(-1)  # (T, V)
         n = min(len(tokens), len(ref))
         agree = next((i for i in range(n) if tokens[i] != ref[i]), n)
@@ -320,7 +324,7 @@ def test_fp8_kv_cache_stays_close(model_dir, prompts, hf_outputs):
 FP8_FORCED_AGREEMENT = 0.9  # share of positions where the fp8 cache's top token is transformers'
 
 
-def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_outputs):
+def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_model, hf_outputs):
     """Every position of transformers' greedy outputs asked of the fp8 cache as a one-token
     request (prefix-cache hits: every key read back from the cache, as decode reads it): its top
     token is transformers' at >= FP8_FORCED_AGREEMENT of them, and the logprobs of transformers'
@@ -332,9 +336,8 @@ def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_outputs):
     with LLM(model_dir, kv_cache_dtype="fp8") as llm:
         assert llm.model_runner.kv_cache.dtype == torch.float8_e4m3fn
         outs = llm.generate(requests, params, use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():  # (T, V) full-precision logprobs at every position of each output
-        full = torch.cat([model(torch.tensor([ids + ref])).logits[0, len(ids) - 1:-1]
+        full = torch.cat([hf_model(torch.tensor([ids + ref])).logits[0, len(ids) - 1:-1]
                           for ids, ref in zip(prompts, hf_outputs)]).log_softmax(-1)
     agree = sum(out["token_ids"][0] == t for out, t in zip(outs, chosen)) / len(chosen)
     deltas = [abs(out["logprobs"][0][t] - float(full[i, t]))
