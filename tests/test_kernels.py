@@ -673,6 +673,27 @@ def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
 
 @gpu
 @requires_cuda
+def test_compiled_layer_fixes_row_length_gpu() -> None:
+    """layers.gpu_compiled compiles once for every token count, the row length a constant: the
+    norm becomes inductor's persistent reduction (a row in registers, read once), not the looped
+    one that a symbolic row length gives, which reads every row twice."""
+    from torch._inductor.utils import run_and_get_code
+
+    from nanoserve import layers
+    norm = layers.gpu_compiled(lambda x, w, eps: kernels.rms_norm_ref(x, w, eps))  # a fresh cache
+    w = torch.nn.Parameter(torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5, False)
+    with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
+        for n, compiles in ((300, 1), (17, 0), (4096, 0)):  # one compile, then the same kernel
+            x = torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16)
+            out, code = run_and_get_code(norm, x, w, 1e-6)
+            assert len(code) == compiles, f"{n} tokens compiled again"
+            assert all("persistent_reduction" in c for c in code)
+            torch.testing.assert_close(out, kernels.rms_norm_ref(x, w, 1e-6),
+                                       **TOL[torch.bfloat16])
+
+
+@gpu
+@requires_cuda
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
 def test_decode_cuda_graph_gpu(cache_dtype: torch.dtype) -> None:
     """rotary_and_store + paged_decode captured once, replayed on new contents: equal to eager, no
