@@ -72,18 +72,17 @@ def get_forward_context() -> ForwardContext:
 # ---- elementwise layers --------------------------------------------------------------------------
 def gpu_compiled(fn: Callable) -> Callable:
     """torch.compile fuses a chain of elementwise ops into one kernel, which on the GPU saves a
-    launch and a round trip through memory per op. The kernel is compiled once for any number
-    of tokens: dim 0 of every tensor is a variable unless it must equal a constant (a weight's
-    size, which the activations share), the other sizes are constants. A kernel that knows its
-    row length runs up to twice as fast as one compiled with every size a variable (H100,
-    docs/performance.md). The CPU path stays eager, so running and testing nanoserve needs no
-    compiler."""
+    launch and a round trip through memory per op. One compile serves every batch: dim 0 of
+    each tensor (the tokens) is a variable, every other size a constant. Compiled with all sizes
+    variables (`dynamic=True`), SiLU-and-mul takes its row length as an argument and twice the
+    time (H100, docs/performance.md). The CPU path stays eager, so running and testing
+    nanoserve needs no compiler."""
     compiled = torch.compile(fn)
 
     @functools.wraps(fn)
     def dispatch(x: Tensor, *args: object) -> object:
         for t in filter(torch.is_tensor, (x, *args)):
-            torch._dynamo.maybe_mark_dynamic(t, 0)  # "maybe": specialized if it must be
+            torch._dynamo.maybe_mark_dynamic(t, 0)  # "maybe": weights keep their sizes
         return compiled(x, *args) if x.is_cuda else fn(x, *args)
     return dispatch
 
