@@ -163,6 +163,7 @@ def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "
     """Greedy runs with the cache in the model's dtype ("auto") and in fp8 (part "kv"), or with
     only K or V rounded (part "k" or "v", CPU), compared; forced: teacher-forced too."""
     runs, forced_runs = {}, {}
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=TOP_K)
     for kv in ("auto", "fp8"):
         store = rounded_store(part) if kv == "fp8" and part != "kv" else contextlib.nullcontext()
         with store, LLM(model_dir, kv_cache_dtype="auto" if part != "kv" else kv, **engine) as llm:
@@ -171,9 +172,8 @@ def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "
             runs[kv] = generate(llm, prompts, params)
             if kv == "auto":
                 ranges = value_ranges(llm.model_runner.kv_cache)
-            if forced:  # the "auto" run's outputs, asked of this cache
                 requests, chosen = forced_requests(prompts, runs["auto"][0])
-                one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=TOP_K)
+            if forced:  # the "auto" run's outputs, asked of this cache
                 forced_runs[kv] = generate(llm, requests, one)
     r = {**compare(runs["auto"], runs["fp8"]), "kv_ranges": ranges}
     return {**r, **compare_forced(forced_runs["auto"], forced_runs["fp8"], chosen)} if forced else r
