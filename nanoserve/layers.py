@@ -74,9 +74,9 @@ def gpu_compiled(fn: Callable) -> Callable:
     """torch.compile fuses a chain of elementwise ops into one kernel, which on the GPU saves a
     launch and a round trip through memory per op. One compile serves every batch: dim 0 of
     each tensor (the tokens) is a variable, every other size a constant. Compiled with all sizes
-    variables (`dynamic=True`), SiLU-and-mul takes its row length as an argument and twice the
-    time (H100, docs/performance.md). The CPU path stays eager, so running and testing
-    nanoserve needs no compiler."""
+    variables (`dynamic=True`), SiLU-and-mul takes its row length as an argument and runs slower
+    (docs/performance.md). The CPU path stays eager, so running and testing nanoserve needs no
+    compiler."""
     compiled = torch.compile(fn)
 
     @functools.wraps(fn)

@@ -677,7 +677,7 @@ def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
 def test_compiled_layer_fixes_row_length_gpu() -> None:
     """layers.gpu_compiled compiles SiLU-and-mul once for every token count, with the row length
     a constant of the kernel, not an argument (`ks0`): a row length known at compile time lets
-    the kernel skip the per-element index arithmetic, and it runs in about half the time."""
+    the kernel skip the per-element index arithmetic (docs/performance.md has the times)."""
     from unittest import mock
 
     from torch._inductor.graph import GraphLowering
