@@ -92,6 +92,12 @@ gather_kv = gpu_compiled(kernels.gather_kv)  # gather + fp8 dequantize: one pass
 
 
 @gpu_compiled
+def fp8_round_trip(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """k and v (N, Hkv, D) as an fp8 cache gives them back (both in one pass on the GPU)."""
+    return kernels.rotary.to_fp8(k).to(k.dtype), kernels.rotary.to_fp8(v).to(v.dtype)
+
+
+@gpu_compiled
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     residual = x + residual
     return kernels.rms_norm_ref(residual, weight, eps), residual
@@ -225,7 +231,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 # ---- attention -----------------------------------------------------------------------------------
 class Attention(nn.Module):
     """The paged KV cache of one layer, and attention over it: varlen flash attention for prefill,
-    the paged-decode kernel for decode."""
+    the paged-decode kernel for decode. Both read K and V as the cache holds them (with an fp8
+    cache, rounded), so a prompt's output does not depend on whether its prefix was cached."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -249,6 +256,8 @@ class Attention(nn.Module):
         if ctx.context_slots is not None:  # prefix hits: the cached keys are not in k, v
             # (Nk, Hkv, D), dequantized from an fp8 cache: the new tokens' K/V too, as decode reads
             k, v = gather_kv(self.k_cache, self.v_cache, ctx.context_slots, q.dtype)
+        elif self.k_cache.dtype == torch.float8_e4m3fn:  # no hits: the values the cache holds too
+            k, v = fp8_round_trip(k, v)
         return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
 

@@ -346,3 +346,17 @@ def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_model, hf_outputs):
     print(f"fp8 KV cache, teacher-forced: top token agrees at {agree:.1%} of {len(chosen)} "
           f"positions; mean |delta logprob| {mean:.4f} over {len(deltas)}")
     assert agree >= FP8_FORCED_AGREEMENT and mean <= FP8_MEAN_LOGPROB_TOL
+
+
+def test_fp8_prefill_reads_what_the_cache_holds(model_dir, prompts):
+    """With an fp8 cache a prompt's next-token logprobs do not depend on whether its prefix was
+    cached: a prefill without hits attends over K and V rounded as the cache holds them, as one
+    with hits reads them back (rounding them in one case only moves logprobs by ~0.05)."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    with LLM(model_dir, kv_cache_dtype="fp8") as llm:
+        cold = llm.generate(prompts[:1], params, use_tqdm=False)[0]  # nothing cached yet
+        warm = llm.generate(prompts[:1], params, use_tqdm=False)[0]  # its full blocks are hits
+        assert llm.scheduler.block_manager.stats["hit"] > 0
+    assert cold["token_ids"] == warm["token_ids"]
+    for t, logprob in cold["logprobs"][0].items():
+        assert abs(warm["logprobs"][0][t] - logprob) < 1e-4

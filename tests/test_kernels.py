@@ -674,6 +674,19 @@ def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
 
 @gpu
 @requires_cuda
+def test_fp8_round_trip_compiled_gpu() -> None:
+    """The layers' fp8 round trip of a prefill's new K and V (compiled into one kernel) equals
+    the eager one, saturating past 448 as the store does."""
+    from nanoserve import layers
+    k, v = (100 * torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    eager = layers.fp8_round_trip.__wrapped__(k, v)
+    for got, expect in zip(layers.fp8_round_trip(k, v), eager):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
+        assert got.abs().max() == 448
+
+
+@gpu
+@requires_cuda
 def test_compiled_layer_fixes_row_length_gpu() -> None:
     """layers.gpu_compiled compiles SiLU-and-mul once for every token count, with the row length
     a constant of the kernel, not an argument (`ks0`): a row length known at compile time lets
