@@ -65,3 +65,19 @@ def test_compare_forced_counts_top_token_agreement_and_chosen_deltas() -> None:
     assert r["forced_positions"] == 3 and r["forced_compared"] == 2  # token 3 not in fp8's top-k
     assert r["forced_top1_agreement"] == pytest.approx(2 / 3)
     assert r["forced_mean_abs_dlogprob"] == pytest.approx((0.2 + 0.7) / 2)
+
+
+@pytest.mark.slow
+def test_transformers_probe_rounds_k_and_v() -> None:
+    """The probe's rounded attention moves transformers' logprobs, by little: a greedy run and a
+    teacher-forced one of each model, compared."""
+    (name, r), = fp8_accuracy.transformers_results(["What is 2 plus 2?"]).items()
+    assert name.startswith("transformers") and r["sequences"] == 1
+    assert r["forced_positions"] == r["output_tokens"] > 0 and r["agreeing_tokens"] > 0
+    assert 0 < r["forced_mean_abs_dlogprob"] < 0.2 and 0 <= r["forced_top1_agreement"] <= 1
+
+
+def test_top_logprobs_keeps_the_most_likely_tokens() -> None:
+    row = torch.tensor([-3.0, -0.5, -9.0, -1.0, -2.0, -4.0, -0.1])
+    assert fp8_accuracy.top_logprobs(row) == pytest.approx({6: -0.1, 1: -0.5, 3: -1.0, 4: -2.0,
+                                                             0: -3.0})

@@ -17,13 +17,16 @@ one, in float32 on the CPU reference path).
 only V, through e4m3 as it stores them: which of the two makes the sequences part.
 --questions more (CPU): 48 other chat questions (MORE_QUESTIONS) in the place of the 8 of
 tests/test_e2e.py, to see how far a count over 8 sequences carries.
+--transformers (CPU): the rounding probe in transformers in the place of nanoserve: its model
+greedy with K and V rounded through e4m3 in every attention call, as an fp8 cache holds them,
+against the unrounded model, and both teacher-forced on the unrounded model's outputs.
 --teacher-forced: also ask every position of the "auto" run's outputs as a one-token request (its
 prompt plus the tokens before it) of both caches, and count how often their top tokens agree and
 the mean |delta logprob| of the "auto" run's token there. Sequences that part no longer decide what
 is compared, and prefix-cache hits make every key come back from the cache, as in decode.
 
-    python tools/fp8_accuracy.py [--gpu | --round k|v] [--questions e2e|more] [--teacher-forced]
-                                 [--json out.json]
+    python tools/fp8_accuracy.py [--gpu | --round k|v | --transformers] [--questions e2e|more]
+                                 [--teacher-forced] [--json out.json]
 """
 import argparse
 import contextlib
@@ -186,16 +189,61 @@ def chat_prompts(model_dir: str, questions: list[str]) -> list[list[int]]:
                                     tokenize=True, return_dict=False) for q in questions]
 
 
-def cpu_results(part: str, questions: str = "e2e", forced: bool = False) -> dict:
-    from test_e2e import MAX_TOKENS, QUESTIONS
+def cpu_results(part: str, asked: list[str], forced: bool = False) -> dict:
+    from test_e2e import MAX_TOKENS
 
     from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
     rounded = {"kv": "", "k": ", K rounded only", "v": ", V rounded only"}[part]
-    asked = QUESTIONS if questions == "e2e" else MORE_QUESTIONS
     name = f"SmolLM2-135M-Instruct (float32, CPU{rounded}, {len(asked)} questions)"
     return {name: measure(model_dir, chat_prompts(model_dir, asked), params, part, forced)}
+
+
+def transformers_results(asked: list[str]) -> dict:
+    """The issue's rounding probe, on the CPU prompts: transformers' model greedy, with K and V
+    rounded through e4m3 (scale 1) in every attention call, after rotary, as an fp8 cache holds
+    them, against the unrounded model; and both teacher-forced on the unrounded model's outputs."""
+    from test_e2e import MAX_TOKENS
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from nanoserve.kernels.rotary import to_fp8
+    from nanoserve.weights import default_model_dir
+
+    def rounded_attention(module, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
+        k, v = to_fp8(k).to(k.dtype), to_fp8(v).to(v.dtype)
+        return sdpa_attention_forward(module, q, k, v, *args, **kwargs)
+    AttentionInterface.register("e4m3_rounded", rounded_attention)
+    model_dir = default_model_dir()
+    prompts = chat_prompts(model_dir, asked)
+    runs, forced = {}, {}
+    for kv, attention in (("auto", "sdpa"), ("fp8", "e4m3_rounded")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     attn_implementation=attention).eval()
+        with torch.no_grad():
+            outs = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS,
+                                   do_sample=False)[0, len(p):].tolist() for p in prompts]
+            asked_outs = outs if kv == "auto" else runs["auto"][0]
+            # (T, V) per prompt: logprobs at every position of its own output, and of auto's
+            own, teacher = ([model(torch.tensor([p + o])).logits[0, len(p) - 1:-1].log_softmax(-1)
+                             for p, o in zip(prompts, os)] for os in (outs, asked_outs))
+        runs[kv] = outs, [[top_logprobs(row) for row in rows] for rows in own]
+        forced[kv] = torch.cat(teacher)  # (positions, V)
+    chosen = torch.tensor([t for out in runs["auto"][0] for t in out])  # (positions,)
+    deltas = (forced["auto"] - forced["fp8"]).gather(1, chosen[:, None]).abs()
+    name = f"transformers, SmolLM2-135M-Instruct (float32, CPU, {len(asked)} questions)"
+    return {name: {**compare(runs["auto"], runs["fp8"]), "forced_positions": len(chosen),
+                   "forced_compared": len(chosen),
+                   "forced_top1_agreement": float((forced["auto"].argmax(-1)
+                                                   == forced["fp8"].argmax(-1)).float().mean()),
+                   "forced_mean_abs_dlogprob": float(deltas.mean())}}
+
+
+def top_logprobs(row: Tensor) -> dict:
+    """{token: logprob} of the TOP_K most likely tokens of a (V,) row of logprobs."""
+    values, tokens = row.topk(TOP_K)
+    return dict(zip(tokens.tolist(), values.tolist()))
 
 
 def gpu_results(forced: bool = False) -> dict:
@@ -223,7 +271,7 @@ def report(name: str, r: dict) -> None:
         print(f"  teacher-forced, {r['forced_positions']} positions: top tokens agree at "
               f"{100 * r['forced_top1_agreement']:.2f}%; mean |dlogprob| of the auto run's token "
               f"{r['forced_mean_abs_dlogprob']:.4f} (over {r['forced_compared']})")
-    for kv, s in r["kv_ranges"].items():
+    for kv, s in r.get("kv_ranges", {}).items():
         print(f"  {kv} over {len(s['amax'])} layers: max |value| {max(s['amax']):.3g} (per layer "
               f"{min(s['amax']):.3g}-{max(s['amax']):.3g}); below 2^-6: "
               f"{100 * statistics.fmean(s['subnormal_share']):.2f}% (at most "
@@ -241,13 +289,22 @@ def main() -> None:
                    help="CPU: the 8 chat questions of tests/test_e2e.py, or 48 others")
     p.add_argument("--teacher-forced", action="store_true",
                    help="also compare both caches on every position of the auto run's outputs")
+    p.add_argument("--transformers", action="store_true",
+                   help="CPU: the rounding probe in transformers (K and V rounded in attention), "
+                        "greedy and teacher-forced, in the place of nanoserve's fp8 cache")
     p.add_argument("--json", help="write the figures (per layer too) to this file")
     args = p.parse_args()
-    if args.gpu and (args.round != "kv" or args.questions != "e2e"):
-        p.error("--round and --questions choose what the CPU run does: leave out --gpu")
-    forced = args.teacher_forced
-    results = (gpu_results(forced) if args.gpu
-               else cpu_results(args.round, args.questions, forced))
+    if args.gpu and (args.round != "kv" or args.questions != "e2e" or args.transformers):
+        p.error("--round, --questions and --transformers choose what the CPU run does: "
+                "leave out --gpu")
+    from test_e2e import QUESTIONS
+    forced, asked = args.teacher_forced, QUESTIONS if args.questions == "e2e" else MORE_QUESTIONS
+    if args.gpu:
+        results = gpu_results(forced)
+    elif args.transformers:
+        results = transformers_results(asked)
+    else:
+        results = cpu_results(args.round, asked, forced)
     for name, r in results.items():
         report(name, r)
     if args.json:
