@@ -55,6 +55,25 @@ def test_tp2_matches_tp1_on_tiny_qwen3(tiny_qwen3):
         assert greedy_ids(llm) == expected
 
 
+def test_tp2_fp8_kv_cache_matches_tp1(tiny_qwen3):
+    """An fp8 cache under tensor parallelism: each rank holds its KV heads in e4m3, and the
+    greedy tokens and logprobs are one rank's (which differ from the full-precision cache's)."""
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    outs = {}
+    for kv, tp in (("auto", 1), ("fp8", 1), ("fp8", 2)):
+        with LLM(tiny_qwen3, max_model_len=256, kv_cache_dtype=kv, tensor_parallel_size=tp) as llm:
+            outs[kv, tp] = llm.generate(PROMPTS, params, use_tqdm=False)
+            if tp == 2:  # (k/v, layers, blocks, block size, KV heads of this rank, head dim)
+                cache = llm.model_runner.kv_cache
+                assert cache.dtype == torch.float8_e4m3fn and cache.shape[4] == 1
+    ids = {key: [o["token_ids"] for o in out] for key, out in outs.items()}
+    assert ids["fp8", 2] == ids["fp8", 1] != ids["auto", 1]
+    for one, two in zip(outs["fp8", 1], outs["fp8", 2]):
+        for lp1, lp2 in zip(one["logprobs"], two["logprobs"]):
+            assert lp1.keys() == lp2.keys()
+            assert all(abs(lp1[t] - lp2[t]) < 1e-4 for t in lp1)
+
+
 def test_tp3_matches_tp1_on_default_model_and_leaves_no_shm():
     # SmolLM2: 9 query / 3 KV heads, so each of 3 ranks holds 3 query heads and 1 KV head
     prompts = [[1, 9519, 28, 957, 1462, 314], [504, 3575, 282, 4649, 314]]
