@@ -256,7 +256,7 @@ class Attention(nn.Module):
         if ctx.context_slots is not None:  # prefix hits: the cached keys are not in k, v
             # (Nk, Hkv, D), dequantized from an fp8 cache: the new tokens' K/V too, as decode reads
             k, v = gather_kv(self.k_cache, self.v_cache, ctx.context_slots, q.dtype)
-        elif self.k_cache.dtype == torch.float8_e4m3fn:  # no hits: the values the cache holds too
+        elif self.k_cache.dtype == torch.float8_e4m3fn:  # no hits: rounded, as a hit reads them
             k, v = fp8_round_trip(k, v)
         return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)

@@ -233,7 +233,8 @@ def transformers_results(asked: list[str]) -> dict:
     chosen = torch.tensor([t for out in runs["auto"][0] for t in out])  # (positions,)
     deltas = (forced["auto"] - forced["fp8"]).gather(1, chosen[:, None]).abs()
     name = f"transformers, SmolLM2-135M-Instruct (float32, CPU, {len(asked)} questions)"
-    return {name: {**compare(runs["auto"], runs["fp8"]), "forced_positions": len(chosen),
+    return {name: {"what": "K and V rounded to e4m3 in attention vs not",
+                   **compare(runs["auto"], runs["fp8"]), "forced_positions": len(chosen),
                    "forced_compared": len(chosen),
                    "forced_top1_agreement": float((forced["auto"].argmax(-1)
                                                    == forced["fp8"].argmax(-1)).float().mean()),
@@ -261,8 +262,9 @@ def gpu_results(forced: bool = False) -> dict:
 
 def report(name: str, r: dict) -> None:
     n = r["sequences"]
-    print(f"\n{name}: {n} sequences, {r['output_tokens']} tokens (fp8 KV cache vs the model "
-          f"dtype's)\n  identical over the first {PREFIX} tokens: {r[f'identical_first_{PREFIX}']}"
+    what = r.get("what", "fp8 KV cache vs the model dtype's")
+    print(f"\n{name}: {n} sequences, {r['output_tokens']} tokens ({what})\n  identical over "
+          f"the first {PREFIX} tokens: {r[f'identical_first_{PREFIX}']}"
           f"/{n}; over all: {r['identical_all']}/{n}\n  over the {r['agreeing_tokens']} tokens "
           f"where both agree: mean |dlogprob| {r['mean_abs_dlogprob']:.4f}, max "
           f"{r['max_abs_dlogprob']:.4f}; max over the top-{TOP_K}: "
