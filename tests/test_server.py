@@ -63,8 +63,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str) -> Server:
-    """`python -m nanoserve.server` on a free port, once GET /health answers."""
+def start_server(*flags: str, tries: int = 3) -> Server:
+    """`python -m nanoserve.server` on a free port, once GET /health answers. The server binds
+    the port seconds after it was found free (it loads the model first), and a client's own
+    connection may take it meanwhile: then it starts again on another port."""
     port, log = free_port(), Path(tempfile.mkdtemp()) / "server.log"
     cmd = [sys.executable, "-m", "nanoserve.server", "--port", str(port), "--api-key", API_KEY,
            "--device", "cpu", "--log-level", "warning", *flags]
@@ -73,6 +75,8 @@ def start_server(*flags: str) -> Server:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
+        if proc.poll() is not None and "address already in use" in log.read_text() and tries > 1:
+            return start_server(*flags, tries=tries - 1)
         assert proc.poll() is None, f"the server exited at start:\n{log.read_text()}"
         assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
         try:
