@@ -1,6 +1,9 @@
 """End to end on the packaged default model (SmolLM2-135M-Instruct, float32 on the CPU):
 nanoserve's greedy output must be token-identical to Hugging Face transformers', also when
 sequences are preempted, when prompts are chunked, and with prefix caching on or off."""
+import math
+import statistics
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -351,12 +354,16 @@ def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_model, hf_outputs):
 def test_fp8_prefill_reads_what_the_cache_holds(model_dir, prompts):
     """With an fp8 cache a prompt's next-token logprobs do not depend on whether its prefix was
     cached: a prefill without hits attends over K and V rounded as the cache holds them, as one
-    with hits reads them back (rounding them in one case only moves logprobs by ~0.05)."""
+    with hits reads them back. Over unrounded K/V the 8 prompts' top-5 logprobs moved by 0.05-0.4
+    (median 0.16); rounded, by 1e-5 or less, unless a float32 difference flips one e4m3 rounding:
+    hence the median."""
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    with LLM(model_dir, kv_cache_dtype="fp8", enable_prefix_caching=False) as llm:
+        cold = llm.generate(prompts, params, use_tqdm=False)
     with LLM(model_dir, kv_cache_dtype="fp8") as llm:
-        cold = llm.generate(prompts[:1], params, use_tqdm=False)[0]  # nothing cached yet
-        warm = llm.generate(prompts[:1], params, use_tqdm=False)[0]  # its full blocks are hits
-        assert llm.scheduler.block_manager.stats["hit"] > 0
-    assert cold["token_ids"] == warm["token_ids"]
-    for t, logprob in cold["logprobs"][0].items():
-        assert abs(warm["logprobs"][0][t] - logprob) < 1e-4
+        llm.generate(prompts, params, use_tqdm=False)  # caches the prompts' full blocks
+        warm = llm.generate(prompts, params, use_tqdm=False)
+    assert all(out["num_cached_tokens"] > 0 for out in warm)
+    moved = [max(abs(w["logprobs"][0].get(t, math.inf) - logprob)
+                 for t, logprob in c["logprobs"][0].items()) for c, w in zip(cold, warm)]
+    assert statistics.median(moved) < 1e-3, moved

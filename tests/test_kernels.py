@@ -552,6 +552,34 @@ def test_gather_kv(cache_dtype: torch.dtype) -> None:
     assert torch.equal(k, expect_k) and torch.equal(v, expect_v)
 
 
+def test_attention_prefill_reads_what_an_fp8_cache_holds() -> None:
+    """layers.Attention's prefill attends over K and V as an fp8 cache holds them, rounded to
+    e4m3: the new tokens' own K/V without prefix hits, the cache's rows with them. So both give
+    the same output, which differs from attention over the unrounded K/V."""
+    from nanoserve import layers
+    torch.manual_seed(0)
+    lens, H, Hkv, D, B = [5, 20], 4, 2, 16, 16
+    q = torch.randn(sum(lens), H, D)
+    k, v = 3 * torch.randn(sum(lens), Hkv, D), 3 * torch.randn(sum(lens), Hkv, D)
+    attn = layers.Attention(H, Hkv, D)
+    attn.k_cache, attn.v_cache = (torch.zeros(4, B, Hkv, D, dtype=FP8) for _ in range(2))
+    slots = torch.cat([torch.arange(0, 5), torch.arange(16, 36)]).int()  # blocks 0, then 1-2
+    cu = cu_seqlens(lens)
+    outs = []
+    for hits in (None, slots.long()):  # no hits; every key a hit (gathered from the cache)
+        ctx = layers.ForwardContext(is_prefill=True, slot_mapping=slots, cu_seqlens_q=cu,
+                                    cu_seqlens_k=cu, max_seqlen_q=20, max_seqlen_k=20,
+                                    context_slots=hits)
+        with layers.forward_context(ctx):
+            attn.store_kv(k, v)
+            outs.append(attn(q, k, v))
+    rounded = [kernels.rotary.to_fp8(x).float() for x in (k, v)]
+    expect = kernels.prefill_attention_ref(q, *rounded, cu, cu, 20, 20, attn.scale)
+    assert torch.equal(outs[0], expect) and torch.equal(outs[1], expect)
+    assert not torch.allclose(kernels.prefill_attention_ref(q, k, v, cu, cu, 20, 20, attn.scale),
+                              expect, atol=1e-3)
+
+
 def test_paged_decode_ref_matches_prefill_ref() -> None:
     """Decode is prefill with one query, the newest token: the two references must agree."""
     lens, B, Hkv, D, H = [1, 16, 23], 16, 2, 32, 6
