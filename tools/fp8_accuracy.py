@@ -208,12 +208,11 @@ def transformers_results(asked: list[str]) -> dict:
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from nanoserve.kernels.rotary import to_fp8
+    from nanoserve.layers import fp8_round_trip
     from nanoserve.weights import default_model_dir
 
     def rounded_attention(module, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
-        k, v = to_fp8(k).to(k.dtype), to_fp8(v).to(v.dtype)
-        return sdpa_attention_forward(module, q, k, v, *args, **kwargs)
+        return sdpa_attention_forward(module, q, *fp8_round_trip(k, v), *args, **kwargs)
     AttentionInterface.register("e4m3_rounded", rounded_attention)
     model_dir = default_model_dir()
     prompts = chat_prompts(model_dir, asked)
