@@ -81,3 +81,33 @@ def test_top_logprobs_keeps_the_most_likely_tokens() -> None:
     row = torch.tensor([-3.0, -0.5, -9.0, -1.0, -2.0, -4.0, -0.1])
     assert fp8_accuracy.top_logprobs(row) == pytest.approx({6: -0.1, 1: -0.5, 3: -1.0, 4: -2.0,
                                                              0: -3.0})
+
+
+def test_jitter_moves_each_value_by_less_than_its_bound() -> None:
+    x = torch.randn(4096) * 10  # float32
+    moved = fp8_accuracy.jitter(x, run=0)
+    bound = fp8_accuracy.JITTER + 2**-23  # and the float32 rounding of the product
+    assert ((moved - x).abs() <= bound * x.abs()).all()
+    assert (moved != x).float().mean() > 0.9  # nearly every value moves
+    assert torch.equal(fp8_accuracy.jitter(x.clone(), run=0), moved)  # a function of the value
+    assert not torch.equal(fp8_accuracy.jitter(x, run=1), moved)  # and of the run
+
+
+def test_jittered_rounding_tips_ties_both_ways_in_the_store_and_the_round_trip() -> None:
+    from nanoserve.layers import fp8_round_trip
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2^-9..448
+    ties = (e4m3[:-1] + e4m3[1:]) / 2  # halfway between neighbours: exact in float32
+    plain = rotary.to_fp8(ties).float()
+    with fp8_accuracy.jittered_rounding(run=3):
+        tipped = rotary.to_fp8(ties).float()
+        k, v = fp8_round_trip(ties, ties)
+        k_cache, v_cache = torch.zeros(2, 16, 1, 125, dtype=torch.float8_e4m3fn), torch.zeros(
+            2, 16, 1, 125, dtype=torch.float8_e4m3fn)  # (blocks, B, Hkv, D)
+        kernels.store_kvcache_ref(ties.view(1, 1, 125), ties.view(1, 1, 125), k_cache, v_cache,
+                                  torch.tensor([5]))
+    assert rotary.to_fp8(ties).float().equal(plain)  # restored
+    up, down = tipped == e4m3[1:], tipped == e4m3[:-1]
+    assert (up | down).all() and up.sum() > 30 and down.sum() > 30  # ties to even would go 62/63
+    assert not tipped.equal(plain)
+    assert k.equal(tipped) and v.equal(tipped)  # the prefill's round trip rounds the same values
+    assert k_cache[0, 5, 0].float().equal(tipped) and v_cache[0, 5, 0].float().equal(tipped)

@@ -20,13 +20,18 @@ tests/test_e2e.py, to see how far a count over 8 sequences carries.
 --transformers (CPU): the rounding probe in transformers in the place of nanoserve: its model
 greedy with K and V rounded through e4m3 in every attention call, as an fp8 cache holds them,
 against the unrounded model, and both teacher-forced on the unrounded model's outputs.
+--jitter N (CPU): how far the count of identical sequences is decided by near-ties. N more fp8
+runs (or probe runs, with --transformers), each with every K and V value moved by a pseudo-random
+relative amount below JITTER before its e4m3 rounding, a function of the value and the run: moves
+smaller than the difference between nanoserve's and transformers' own float32 K and V (a median of
+5e-7 relative), which tip some roundings the other way. Printed: the count of each run.
 --teacher-forced: also ask every position of the "auto" run's outputs as a one-token request (its
 prompt plus the tokens before it) of both caches, and count how often their top tokens agree and
 the mean |delta logprob| of the "auto" run's token there. Sequences that part no longer decide what
 is compared, and prefix-cache hits make every key come back from the cache, as in decode.
 
     python tools/fp8_accuracy.py [--gpu | --round k|v | --transformers] [--questions e2e|more]
-                                 [--teacher-forced] [--json out.json]
+                                 [--teacher-forced] [--jitter N] [--json out.json]
 """
 import argparse
 import contextlib
@@ -48,6 +53,8 @@ FP8_MAX = 448.0  # e4m3's largest value
 FP8_MIN_NORMAL = 2.0**-6  # below it e4m3 is subnormal: fewer significant bits
 TOP_K = 5
 PREFIX = 16  # sequences are also compared over their first PREFIX tokens
+JITTER = 1e-6  # --jitter: the largest relative move of a K or V value before its rounding
+PRIME = 1_000_003  # jitter's hash: values and runs mapped to [0, PRIME)
 MORE_QUESTIONS = [  # short chat questions of the kind tests/test_e2e.py asks, none of its own
     "What is the boiling point of water in Celsius?",
     "Name a famous painting by Leonardo da Vinci.", "Why is the sky blue?", "What does a CPU do?",
@@ -159,6 +166,47 @@ def rounded_store(part: str):
         yield
     finally:
         rotary.store_kvcache_ref = kernels.store_kvcache_ref = store
+
+
+def jitter(x: Tensor, run: int) -> Tensor:
+    """x with each value moved by u * JITTER relative, u in [-1, 1) a hash of the value's float32
+    bits and the run: the same value moves the same way in the store and in the prefill's round
+    trip, and each run tips other roundings."""
+    bits = x.float().contiguous().view(torch.int32).long()
+    h = (bits * 2_654_435_761 % PRIME + run * 7_919 + 1) % PRIME
+    u = (h * h * 31 + run) % PRIME / PRIME * 2 - 1  # (x's shape) in [-1, 1)
+    return (x.float() * (1 + JITTER * u)).to(x.dtype)
+
+
+@contextlib.contextmanager
+def jittered_rounding(run: int):
+    """Within it, every rounding to e4m3 (the CPU store, the prefill's round trip and the
+    transformers probe all call rotary.to_fp8) rounds jitter(x, run) in the place of x."""
+    from nanoserve.kernels import rotary
+    to_fp8 = rotary.to_fp8
+    rotary.to_fp8 = lambda x: to_fp8(jitter(x, run))
+    try:
+        yield
+    finally:
+        rotary.to_fp8 = to_fp8
+
+
+def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
+    """Sequences identical over PREFIX tokens in each of `runs` jittered fp8 runs (probe: the
+    transformers probe), against the unrounded run."""
+    counts, means = [], []
+    for run in range(runs):
+        with jittered_rounding(run):
+            (name, r), = (transformers_results(asked) if probe
+                          else cpu_results("kv", asked)).items()
+        print(f"  jittered run {run}: {r[f'identical_first_{PREFIX}']}/{r['sequences']} "
+              f"identical over {PREFIX} tokens, mean |dlogprob| {r['mean_abs_dlogprob']:.4f}",
+              flush=True)
+        counts.append(r[f"identical_first_{PREFIX}"])
+        means.append(r["mean_abs_dlogprob"])
+    half = sum(2 * c >= r["sequences"] for c in counts)
+    return {"name": name, "jitter": JITTER, f"identical_first_{PREFIX}_per_run": counts,
+            "runs_with_half_or_more": half, "mean_abs_dlogprob_per_run": means}
 
 
 def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "kv",
@@ -293,11 +341,17 @@ def main() -> None:
     p.add_argument("--transformers", action="store_true",
                    help="CPU: the rounding probe in transformers (K and V rounded in attention), "
                         "greedy and teacher-forced, in the place of nanoserve's fp8 cache")
+    p.add_argument("--jitter", type=int, default=0, metavar="N",
+                   help="CPU: N more runs with K and V moved by float32-level amounts before "
+                        "their rounding, to see which counts near-ties decide")
     p.add_argument("--json", help="write the figures (per layer too) to this file")
     args = p.parse_args()
-    if args.gpu and (args.round != "kv" or args.questions != "e2e" or args.transformers):
-        p.error("--round, --questions and --transformers choose what the CPU run does: "
-                "leave out --gpu")
+    if args.gpu and (args.round != "kv" or args.questions != "e2e" or args.transformers
+                     or args.jitter):
+        p.error("--round, --questions, --transformers and --jitter choose what the CPU run "
+                "does: leave out --gpu")
+    if args.jitter and args.round != "kv":
+        p.error("--jitter moves the values an fp8 cache rounds: leave out --round")
     from test_e2e import QUESTIONS
     forced, asked = args.teacher_forced, QUESTIONS if args.questions == "e2e" else MORE_QUESTIONS
     if args.gpu:
@@ -308,6 +362,11 @@ def main() -> None:
         results = cpu_results(args.round, asked, forced)
     for name, r in results.items():
         report(name, r)
+    if args.jitter:
+        print(f"\n{args.jitter} runs, K and V moved by up to {JITTER:g} relative before rounding:")
+        j = results["jittered"] = jittered_counts(args.jitter, asked, args.transformers)
+        print(f"identical over {PREFIX} tokens: {j[f'identical_first_{PREFIX}_per_run']}; half "
+              f"or more in {j['runs_with_half_or_more']} of {args.jitter} runs")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
