@@ -111,3 +111,14 @@ def test_jittered_rounding_tips_ties_both_ways_in_the_store_and_the_round_trip()
     assert not tipped.equal(plain)
     assert k.equal(tipped) and v.equal(tipped)  # the prefill's round trip rounds the same values
     assert k_cache[0, 5, 0].float().equal(tipped) and v_cache[0, 5, 0].float().equal(tipped)
+
+
+@pytest.mark.slow
+def test_nanoserve_kv_lies_within_float32_differences_of_transformers() -> None:
+    """What --jitter compares its moves with: nanoserve's float32 K and V, token by token, against
+    transformers' own, a few float32 steps apart (far apart if the slots were misread)."""
+    from test_e2e import QUESTIONS
+    difference = fp8_accuracy.kv_difference_from_transformers(QUESTIONS, num_prompts=2)
+    for name in "KV":
+        assert 0 < difference[name]["median"] < 1e-5, (name, difference)
+        assert difference[name]["p90"] < 1e-4, (name, difference)

@@ -24,7 +24,8 @@ against the unrounded model, and both teacher-forced on the unrounded model's ou
 runs (or probe runs, with --transformers), each with every K and V value moved by a pseudo-random
 relative amount below JITTER before its e4m3 rounding, a function of the value and the run: moves
 smaller than the difference between nanoserve's and transformers' own float32 K and V (a median of
-5e-7 relative), which tip some roundings the other way. Printed: the count of each run.
+5e-7 relative, measured first), which tip some roundings the other way. Printed: the count of
+each run.
 --teacher-forced: also ask every position of the "auto" run's outputs as a one-token request (its
 prompt plus the tokens before it) of both caches, and count how often their top tokens agree and
 the mean |delta logprob| of the "auto" run's token there. Sequences that part no longer decide what
@@ -191,9 +192,44 @@ def jittered_rounding(run: int):
         rotary.to_fp8 = to_fp8
 
 
+def kv_difference_from_transformers(asked: list[str], num_prompts: int = 4) -> dict:
+    """How far nanoserve's float32 K and V (read back from its cache) lie from transformers' own
+    (its cache after one forward pass), relative, over the first num_prompts prompts and every
+    layer: the median and the 90th percentile. A jitter below that is float32-level."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.weights import default_model_dir
+    model_dir = default_model_dir()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    diffs: dict[str, list[Tensor]] = {"K": [], "V": []}
+    with LLM(model_dir, enable_prefix_caching=False) as llm:
+        for prompt in chat_prompts(model_dir, asked)[:num_prompts]:
+            kv_cache = llm.model_runner.kv_cache  # (2, layers, num_blocks, B, Hkv, D)
+            kv_cache.zero_()  # then the prompt's slots are the non-zero ones
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            with torch.no_grad():
+                theirs = hf(torch.tensor([prompt]), use_cache=True).past_key_values.layers
+            for i, layer in enumerate(theirs):
+                for name, ours, hf_kv in (("K", kv_cache[0, i], layer.keys),
+                                          ("V", kv_cache[1, i], layer.values)):
+                    rows = ours.flatten(0, 1)  # (slots, Hkv, D)
+                    # a prompt gets never-used blocks, handed out in ascending order (the least
+                    # recently freed first): its written slots, in order, are its tokens
+                    written = (rows != 0).flatten(1).any(1).nonzero().flatten()
+                    assert len(written) == len(prompt), "one written slot per prompt token"
+                    hf_kv = hf_kv[0].transpose(0, 1)  # (1, Hkv, N, D) -> (N, Hkv, D)
+                    diffs[name].append(((rows[written] - hf_kv).abs()
+                                        / hf_kv.abs().clamp_min(1e-30)).flatten())
+    quantiles = torch.tensor([0.5, 0.9])
+    return {name: dict(zip(("median", "p90"), torch.quantile(torch.cat(d), quantiles).tolist()))
+            for name, d in diffs.items()}
+
+
 def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
     """Sequences identical over PREFIX tokens in each of `runs` jittered fp8 runs (probe: the
     transformers probe), against the unrounded run."""
+    difference = kv_difference_from_transformers(asked)
+    print(f"  nanoserve's K and V against transformers' (relative): {difference}")
     counts, means = [], []
     for run in range(runs):
         with jittered_rounding(run):
@@ -205,7 +241,8 @@ def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
         counts.append(r[f"identical_first_{PREFIX}"])
         means.append(r["mean_abs_dlogprob"])
     half = sum(2 * c >= r["sequences"] for c in counts)
-    return {"name": name, "jitter": JITTER, f"identical_first_{PREFIX}_per_run": counts,
+    return {"name": name, "jitter": JITTER, "kv_difference_from_transformers": difference,
+            f"identical_first_{PREFIX}_per_run": counts,
             "runs_with_half_or_more": half, "mean_abs_dlogprob_per_run": means}
 
 
