@@ -8,6 +8,7 @@ Does not own: batching policy (scheduler), tensors (model_runner), worker proces
 Invariant: after generate() returns or raises, no sequence of that call is left in the scheduler.
 """
 import atexit
+import gc
 import logging
 import numbers
 import sys
@@ -139,6 +140,11 @@ class LLMEngine:
         self.timeline = Timeline(self.config, self.scheduler) if self.config.timeline else None
         if self.config.trace:  # (or NANOSERVE_TRACE=1) after start-up, whose INFO lines it skips
             show_trace()
+        # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
+        # out of Python's full garbage collections, which scan every object and would pause the
+        # engine for a quarter second each (docs/performance.md); shutdown unfreezes them.
+        gc.collect()
+        gc.freeze()
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}
@@ -352,6 +358,7 @@ class LLMEngine:
                 self.workers.shutdown()
                 self.workers = None
             atexit.unregister(self.shutdown)
+            gc.unfreeze()  # back into the oldest generation: collectable again
 
     def __enter__(self) -> "LLMEngine":
         return self

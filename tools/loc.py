@@ -20,7 +20,7 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nanoserve"
 README = ROOT / "README.md"
-BUDGET = 2157  # code lines in nanoserve/: small enough to read in an afternoon
+BUDGET = 2161  # code lines in nanoserve/: small enough to read in an afternoon
 EXCLUDE = ["server"]  # the server (nanoserve/server/), an entrypoint on top, is counted apart
 BEGIN, END = "<!-- loc-table:begin -->", "<!-- loc-table:end -->"
 LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
