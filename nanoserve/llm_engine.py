@@ -141,8 +141,8 @@ class LLMEngine:
         if self.config.trace:  # (or NANOSERVE_TRACE=1) after start-up, whose INFO lines it skips
             show_trace()
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
-        # out of Python's full garbage collections, which scan every object and would pause the
-        # engine for a quarter second each (docs/performance.md); shutdown unfreezes them.
+        # out of Python's full garbage collections, which scan every object alive and pause the
+        # engine while they do (docs/performance.md); shutdown unfreezes them.
         gc.collect()
         gc.freeze()
 
