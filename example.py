@@ -4,6 +4,7 @@ generate.
     python example.py                      # packaged default SmolLM2-135M-Instruct, CPU or GPU
     python example.py --model DIR --temperature 0.7 --max-tokens 256 --trace
     python example.py --timeline timeline.png  # a picture of the run: requests x engine steps
+    python example.py --kv-cache-dtype fp8     # K and V stored as float8 e4m3: half the bytes
 """
 import argparse
 
@@ -27,9 +28,12 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="log one line per engine step")
     parser.add_argument("--timeline", metavar="PATH",
                         help="draw the run (requests x engine steps) to this image, e.g. a .png")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the KV cache: the model's dtype, or float8 e4m3 (half the bytes)")
     args = parser.parse_args()
 
-    with LLM(args.model, trace=args.trace, timeline=args.timeline is not None) as llm:
+    with LLM(args.model, trace=args.trace, timeline=args.timeline is not None,
+             kv_cache_dtype=args.kv_cache_dtype) as llm:
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    tokenize=False, add_generation_prompt=True)
                  for p in PROMPTS]

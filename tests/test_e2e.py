@@ -4,6 +4,9 @@ sequences are preempted, when prompts are chunked, and with prefix caching on or
 import gc
 import math
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -381,3 +384,14 @@ def test_fp8_prefill_reads_what_the_cache_holds(model_dir, prompts):
     moved = [max(abs(w["logprobs"][0].get(t, math.inf) - logprob)
                  for t, logprob in c["logprobs"][0].items()) for c, w in zip(cold, warm)]
     assert statistics.median(moved) < 1e-3, moved
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_example_chats(kv_cache_dtype):
+    """The README's first command: example.py answers each of its prompts."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "example.py"), "--max-tokens", "4",
+                          "--temperature", "0", "--kv-cache-dtype", kv_cache_dtype],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count(">>> ") == 4 and run.stdout.count("[4 tokens, length]") == 4
