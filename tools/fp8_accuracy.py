@@ -23,9 +23,9 @@ against the unrounded model, and both teacher-forced on the unrounded model's ou
 --jitter N (CPU): how far the count of identical sequences is decided by near-ties. N more fp8
 runs (or probe runs, with --transformers), each with every K and V value moved by a pseudo-random
 relative amount below JITTER before its e4m3 rounding, a function of the value and the run: moves
-smaller than the difference between nanoserve's and transformers' own float32 K and V (a median of
-5e-7 relative, measured first), which tip some roundings the other way. Printed: the count of
-each run.
+no larger than the difference between nanoserve's and transformers' own float32 K and V (a median
+of 5e-7 to 1e-6 relative, measured first), which tip some roundings the other way. Printed: the
+count of each run.
 --teacher-forced: also ask every position of the "auto" run's outputs as a one-token request (its
 prompt plus the tokens before it) of both caches, and count how often their top tokens agree and
 the mean |delta logprob| of the "auto" run's token there. Sequences that part no longer decide what
