@@ -195,7 +195,7 @@ def jittered_rounding(run: int):
 def kv_difference_from_transformers(asked: list[str], num_prompts: int = 4) -> dict:
     """How far nanoserve's float32 K and V (read back from its cache) lie from transformers' own
     (its cache after one forward pass), relative, over the first num_prompts prompts and every
-    layer: the median and the 90th percentile. A jitter below that is float32-level."""
+    layer: the median and the 90th percentile. A jitter of that size is float32-level."""
     from transformers import AutoModelForCausalLM
 
     from nanoserve.weights import default_model_dir
