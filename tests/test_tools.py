@@ -101,8 +101,8 @@ def test_jittered_rounding_tips_ties_both_ways_in_the_store_and_the_round_trip()
     with fp8_accuracy.jittered_rounding(run=3):
         tipped = rotary.to_fp8(ties).float()
         k, v = fp8_round_trip(ties, ties)
-        k_cache, v_cache = torch.zeros(2, 16, 1, 125, dtype=torch.float8_e4m3fn), torch.zeros(
-            2, 16, 1, 125, dtype=torch.float8_e4m3fn)  # (blocks, B, Hkv, D)
+        # (blocks, B, Hkv, D) each
+        k_cache, v_cache = (torch.zeros(2, 16, 1, 125, dtype=torch.float8_e4m3fn) for _ in "kv")
         kernels.store_kvcache_ref(ties.view(1, 1, 125), ties.view(1, 1, 125), k_cache, v_cache,
                                   torch.tensor([5]))
     assert rotary.to_fp8(ties).float().equal(plain)  # restored
