@@ -227,21 +227,36 @@ def kv_difference_from_transformers(asked: list[str], num_prompts: int = 4) -> d
 
 def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
     """Sequences identical over PREFIX tokens in each of `runs` jittered fp8 runs (probe: the
-    transformers probe), against the unrounded run."""
+    transformers probe), against the unrounded run, which the jitter does not touch: run once."""
+    from test_e2e import MAX_TOKENS
+
+    from nanoserve.weights import default_model_dir
     difference = kv_difference_from_transformers(asked)
     print(f"  nanoserve's K and V against transformers' (relative): {difference}")
+    model_dir = default_model_dir()
+    prompts = chat_prompts(model_dir, asked)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
+    if probe:
+        reference = probe_greedy(probe_model(model_dir, "sdpa"), prompts)
+        rounded = probe_model(model_dir, "e4m3_rounded")  # rounds through to_fp8 at each call
+    else:
+        with LLM(model_dir) as llm:
+            reference = generate(llm, prompts, params)
     counts, means = [], []
     for run in range(runs):
         with jittered_rounding(run):
-            (name, r), = (transformers_results(asked) if probe
-                          else cpu_results("kv", asked)).items()
+            if probe:
+                r = compare(reference, probe_greedy(rounded, prompts))
+            else:  # a fresh engine: no prefix-cache hit on the K and V of an earlier run
+                with LLM(model_dir, kv_cache_dtype="fp8") as llm:
+                    r = compare(reference, generate(llm, prompts, params))
         print(f"  jittered run {run}: {r[f'identical_first_{PREFIX}']}/{r['sequences']} "
               f"identical over {PREFIX} tokens, mean |dlogprob| {r['mean_abs_dlogprob']:.4f}",
               flush=True)
         counts.append(r[f"identical_first_{PREFIX}"])
         means.append(r["mean_abs_dlogprob"])
     half = sum(2 * c >= r["sequences"] for c in counts)
-    return {"name": name, "jitter": JITTER, "kv_difference_from_transformers": difference,
+    return {"probe": probe, "jitter": JITTER, "kv_difference_from_transformers": difference,
             f"identical_first_{PREFIX}_per_run": counts,
             "runs_with_half_or_more": half, "mean_abs_dlogprob_per_run": means}
 
@@ -285,35 +300,51 @@ def cpu_results(part: str, asked: list[str], forced: bool = False) -> dict:
     return {name: measure(model_dir, chat_prompts(model_dir, asked), params, part, forced)}
 
 
-def transformers_results(asked: list[str]) -> dict:
-    """The issue's rounding probe, on the CPU prompts: transformers' model greedy, with K and V
-    rounded through e4m3 (scale 1) in every attention call, after rotary, as an fp8 cache holds
-    them, against the unrounded model; and both teacher-forced on the unrounded model's outputs."""
-    from test_e2e import MAX_TOKENS
+def probe_model(model_dir: str, attention: str):
+    """transformers' model in float32 with this attention: "sdpa", or "e4m3_rounded", which rounds
+    K and V through e4m3 (scale 1) in every attention call, after rotary, as an fp8 cache holds
+    them."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from nanoserve.layers import fp8_round_trip
-    from nanoserve.weights import default_model_dir
 
     def rounded_attention(module, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
         return sdpa_attention_forward(module, q, *fp8_round_trip(k, v), *args, **kwargs)
     AttentionInterface.register("e4m3_rounded", rounded_attention)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                attn_implementation=attention).eval()
+
+
+@torch.no_grad()
+def probe_greedy(model, prompts: list) -> tuple[list, list]:
+    """As generate: greedy token ids and per-token top-k logprob dicts of each prompt."""
+    from test_e2e import MAX_TOKENS
+    outs = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS,
+                           do_sample=False)[0, len(p):].tolist() for p in prompts]
+    return outs, [[top_logprobs(row) for row in rows] for rows in teacher_forced(model, prompts,
+                                                                                 outs)]
+
+
+@torch.no_grad()
+def teacher_forced(model, prompts: list, outs: list) -> list[Tensor]:
+    """(T, V) logprobs per prompt at every position of its output (T tokens)."""
+    return [model(torch.tensor([p + o])).logits[0, len(p) - 1:-1].log_softmax(-1)
+            for p, o in zip(prompts, outs)]
+
+
+def transformers_results(asked: list[str]) -> dict:
+    """The issue's rounding probe, on the CPU prompts: transformers' model greedy with K and V
+    rounded (probe_model), against the unrounded model; and both teacher-forced on the unrounded
+    model's outputs."""
+    from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     prompts = chat_prompts(model_dir, asked)
     runs, forced = {}, {}
     for kv, attention in (("auto", "sdpa"), ("fp8", "e4m3_rounded")):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     attn_implementation=attention).eval()
-        with torch.no_grad():
-            outs = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS,
-                                   do_sample=False)[0, len(p):].tolist() for p in prompts]
-            asked_outs = outs if kv == "auto" else runs["auto"][0]
-            # (T, V) per prompt: logprobs at every position of its own output, and of auto's
-            own, teacher = ([model(torch.tensor([p + o])).logits[0, len(p) - 1:-1].log_softmax(-1)
-                             for p, o in zip(prompts, os)] for os in (outs, asked_outs))
-        runs[kv] = outs, [[top_logprobs(row) for row in rows] for rows in own]
-        forced[kv] = torch.cat(teacher)  # (positions, V)
+        model = probe_model(model_dir, attention)
+        runs[kv] = probe_greedy(model, prompts)
+        forced[kv] = torch.cat(teacher_forced(model, prompts, runs["auto"][0]))  # (positions, V)
     chosen = torch.tensor([t for out in runs["auto"][0] for t in out])  # (positions,)
     deltas = (forced["auto"] - forced["fp8"]).gather(1, chosen[:, None]).abs()
     name = f"transformers, SmolLM2-135M-Instruct (float32, CPU, {len(asked)} questions)"
