@@ -122,3 +122,13 @@ def test_nanoserve_kv_lies_within_float32_differences_of_transformers() -> None:
     for name in "KV":
         assert 0 < difference[name]["median"] < 1e-5, (name, difference)
         assert difference[name]["p90"] < 1e-4, (name, difference)
+
+
+@pytest.mark.slow
+def test_jittered_counts_compares_each_jittered_run_with_one_reference() -> None:
+    """--jitter's loop on one question: one count per run, each of the one sequence."""
+    j = fp8_accuracy.jittered_counts(2, ["What is 2 plus 2?"], probe=False)
+    counts = j[f"identical_first_{fp8_accuracy.PREFIX}_per_run"]
+    assert len(counts) == len(j["mean_abs_dlogprob_per_run"]) == 2 and set(counts) <= {0, 1}
+    assert j["runs_with_half_or_more"] == sum(counts) and not j["probe"]
+    assert all(0 <= m < 0.2 for m in j["mean_abs_dlogprob_per_run"])
