@@ -45,7 +45,7 @@ class BlockManager:
         # an ordered set: O(1) removal on a hit, O(1) oldest-freed first on allocation (a plain
         # dict's first key is O(deleted keys) to find: iteration skips the removed entries)
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.stats = {"allocated": 0, "freed": 0, "hit": 0}  # running counts, read by the trace
+        self.num_allocated = self.num_freed = self.num_hits = 0  # running counts (Scheduler.stats)
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,7 +86,7 @@ class BlockManager:
         seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.num_hashed_blocks = len(hits)
-        self.stats["hit"] += len(hits)
+        self.num_hits += len(hits)
         return True
 
     def _allocate_fresh(self) -> int:
@@ -94,7 +94,7 @@ class BlockManager:
         block = self.blocks[self.free_block_ids.popitem(last=False)[0]]
         self._unregister(block)
         block.ref_count = 1
-        self.stats["allocated"] += 1
+        self.num_allocated += 1
         return block.block_id
 
     def _unregister(self, block: Block) -> None:
@@ -116,7 +116,7 @@ class BlockManager:
                 if not block.computed:
                     self._unregister(block)
                 self.free_block_ids[block.block_id] = None
-                self.stats["freed"] += 1
+                self.num_freed += 1
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0  # num_cached_tokens: for the output
 

@@ -6,9 +6,11 @@ Invariant: after LLM start-up a Config is read-only, except `num_kvcache_blocks`
 known after the model runner has measured free memory and is filled in once.
 Called by: llm_engine (builds both), scheduler, block_manager and model_runner (read them).
 """
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -20,6 +22,18 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for integers, without floats: how many b-sized pieces hold a."""
     return -(-a // b)
+
+
+def extension(name: str) -> ModuleType:
+    """Import nanoserve.extensions.<name>, which a setting switched on. The core imports an
+    extension here only, and only when asked: without the folder the core still runs."""
+    try:
+        return importlib.import_module(f"nanoserve.extensions.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("nanoserve.extensions", f"nanoserve.extensions.{name}"):
+            raise  # the extension is there, something it imports is not
+        raise ValueError(f"the extension {name!r} is not installed (no nanoserve/extensions/"
+                         f"{name}.py): switch off the setting that asks for it") from None
 
 
 # a table row per check: (field, is the value valid?, what a valid value is), so errors name the fix
@@ -66,6 +80,8 @@ class Config:
     num_kvcache_blocks: int | None = None  # None: sized from free memory; an int overrides
     enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes across requests
     overlap_scheduling: bool = True  # launch the next step while this one runs (one rank only)
+    cascade_attention: bool = True  # GPU decode: split-KV, and a shared prefix read once
+    fused_kernels: bool = True  # GPU: norm + rotary + KV store in one kernel, compiled elementwise
     dtype: str = "auto"  # "auto": the checkpoint's dtype on GPU, float32 on CPU; or a DTYPES key
     device: str = "auto"  # "auto": "cuda" when available, else "cpu"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3, half the bytes

@@ -4,23 +4,19 @@ A decode step launches ~10 kernels per layer, each small; launched one by one fr
 is slower than the GPU. A CUDA graph records the whole forward once per batch size and replays it
 with a single launch. A graph reads and writes fixed buffers, so replay copies the batch into them
 first; a batch of S sequences replays the smallest captured size >= S, its padded rows writing
-nowhere (slot -1) and attending to nothing (context 0).
+into the KV cache's spare block (slot -1) and attending to nothing (context 0).
 The LM head runs outside the graphs, but only at captured sizes, all run once at capture: a GEMM
 shape cuBLAS meets for the first time loads a kernel lazily, which stalls the host.
 Owned and called by model_runner on the GPU (not with enforce_eager).
 """
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from nanoserve.layers import ForwardContext, forward_context
+from nanoserve.layers import BatchInputs, ForwardContext, forward_context
 from nanoserve.models import DecoderModel
-
-if TYPE_CHECKING:
-    from nanoserve.model_runner import BatchInputs
 
 GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch sizes captured
 
@@ -38,10 +34,12 @@ def pinned(array: np.ndarray) -> Tensor:
 
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
-                 use_cascade: Callable[[int], bool], dtype: torch.dtype) -> None:
+                 use_cascade: Callable[[int], bool],
+                 make_context: Callable[[BatchInputs], ForwardContext]) -> None:
         """Capture a graph for every size up to max_batch (with cascade attention too where
-        use_cascade(size) allows it); all share one memory pool."""
-        self.model = model
+        use_cascade(size) allows it); all share one memory pool. make_context: the model
+        runner's, which builds every forward context."""
+        self.model, self.make_context = model, make_context
         self.buffers = {  # static inputs and output that every graph reads and writes
             "input_ids": torch.zeros(max_batch, dtype=torch.int64),
             "positions": torch.zeros(max_batch, dtype=torch.int64),
@@ -49,7 +47,8 @@ class DecodeGraphs:
             "context_lens": torch.zeros(max_batch, dtype=torch.int32),
             "block_tables": torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32),
             "num_common_blocks": torch.zeros(1, dtype=torch.int32),
-            "hidden": torch.zeros(max_batch, model.lm_head.weight.shape[1], dtype=dtype)}
+            "hidden": torch.zeros(max_batch, model.lm_head.weight.shape[1],
+                                  dtype=model.lm_head.weight.dtype)}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade) -> graph
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool that all graphs share
         for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):  # largest first:
@@ -61,9 +60,11 @@ class DecodeGraphs:
 
     def _capture(self, bs: int, cascade: bool) -> torch.cuda.CUDAGraph:
         b = {name: buf[:bs] for name, buf in self.buffers.items()}
-        ctx = ForwardContext(is_prefill=False, slot_mapping=b["slot_mapping"],
-                             context_lens=b["context_lens"], block_tables=b["block_tables"],
-                             num_common_blocks=b["num_common_blocks"] if cascade else None)
+        ctx = self.make_context(BatchInputs(
+            is_prefill=False, input_ids=b["input_ids"], positions=b["positions"],
+            slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
+            block_tables=b["block_tables"],
+            num_common_blocks=self.buffers["num_common_blocks"] if cascade else None))
         graph = torch.cuda.CUDAGraph()
         with forward_context(ctx):
             b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured
@@ -71,18 +72,21 @@ class DecodeGraphs:
                 b["hidden"][:] = self.model(b["input_ids"], b["positions"])
         return graph
 
-    def replay(self, inputs: "BatchInputs", input_ids: Tensor) -> Tensor:
+    def replay(self, inputs: BatchInputs, input_ids: Tensor) -> Tensor:
         """Run the decode forward of inputs; returns (graph size, hidden), padded rows included."""
         bs, buf = len(inputs.positions), self.buffers
         graph_bs = graph_batch_size(bs)
         buf["input_ids"][:bs].copy_(input_ids)
         for name in ("positions", "slot_mapping", "context_lens"):
             buf[name][:bs].copy_(pinned(getattr(inputs, name)), non_blocking=True)
-        buf["slot_mapping"][bs:graph_bs].fill_(-1)  # padded rows write nowhere...
+        buf["slot_mapping"][bs:graph_bs].fill_(-1)  # padded rows write the spare block...
         buf["context_lens"][bs:graph_bs].zero_()  # ...and attend to nothing
         width = inputs.block_tables.shape[1]
         buf["block_tables"][:bs, :width].copy_(pinned(inputs.block_tables), non_blocking=True)
-        buf["num_common_blocks"].fill_(inputs.num_common_blocks)  # read by cascade graphs only
+        common = inputs.num_common_blocks
+        shared = common is not None and common[0] > 0
+        if shared:  # read by cascade graphs only
+            buf["num_common_blocks"].fill_(int(common[0]))
         # the cascade graph only when blocks are shared: else its prefix kernel runs for nothing
-        self.graphs[graph_bs, inputs.num_common_blocks > 0].replay()
+        self.graphs[graph_bs, bool(shared)].replay()
         return buf["hidden"][:graph_bs]

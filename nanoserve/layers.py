@@ -8,15 +8,16 @@ the heads / of the MLP), o and down are row-parallel (partial sums, then one all
 embedding and LM head are split by vocab. With one rank every collective is skipped.
 The forward context carries the batch layout (cu_seqlens, slot_mapping, block_tables...) from the
 model runner to the Attention layers without threading it through every forward signature.
-Each layer's forward is the plain computation, which the CPU runs; where one Triton kernel does
-several steps on the GPU, one function here chooses it (`fused_norm_rotary_store`).
+Each layer's forward is the plain computation. Two extension points live here: `OPS`, the
+elementwise steps (extensions.fused swaps in one Triton kernel for norm + rotary + KV store, and
+compiled ones for the rest), and `Attention.decode_backend` (extensions.cascade).
 Owns no weights' file format (weights.py) and no kernel (kernels/).
 """
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,8 +37,23 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 # ---- forward context -----------------------------------------------------------------------------
 @dataclass(kw_only=True)
+class BatchInputs:
+    """A batch as host arrays: what every rank needs for one forward pass (built on rank 0).
+    A CUDA graph's capture passes its device buffers in their place."""
+    is_prefill: bool
+    input_ids: np.ndarray  # (N,) int64
+    positions: np.ndarray  # (N,) int64
+    slot_mapping: np.ndarray  # (N,) int32
+    cu_seqlens_q: np.ndarray | None = None  # (S+1,) int32, prefill
+    cu_seqlens_k: np.ndarray | None = None  # (S+1,) int32, prefill
+    context_lens: np.ndarray | None = None  # (S,) int32, decode
+    block_tables: np.ndarray | None = None  # (S, max_blocks) int32: decode, prefill with hits
+    num_common_blocks: np.ndarray | None = None  # (1,) int32 decode: shared prefix (cascade)
+
+
+@dataclass(kw_only=True)
 class ForwardContext:
-    """Batch layout for one forward pass, read by Attention (and fused_norm_rotary_store)."""
+    """Batch layout for one forward pass, read by Attention (and OPS.norm_rotary_store)."""
     is_prefill: bool
     slot_mapping: Tensor  # (N,) int32: each new token's slot, block_id * B + offset; -1: none
     cu_seqlens_q: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's new tokens
@@ -70,37 +86,47 @@ def get_forward_context() -> ForwardContext:
 
 
 # ---- elementwise layers --------------------------------------------------------------------------
-def gpu_compiled(fn: Callable) -> Callable:
-    """torch.compile fuses a chain of elementwise ops into one kernel, which on the GPU saves a
-    launch and a round trip through memory per op. One compile serves every batch: dim 0 of
-    each tensor (the tokens) is a variable, every other size a constant. Compiled with all sizes
-    variables (`dynamic=True`), SiLU-and-mul takes its row length as an argument and runs slower
-    (docs/performance.md). The CPU path stays eager, so running and testing nanoserve needs no
-    compiler."""
-    compiled = torch.compile(fn)
-
-    @functools.wraps(fn)
-    def dispatch(x: Tensor, *args: object) -> object:
-        for t in filter(torch.is_tensor, (x, *args)):
-            torch._dynamo.maybe_mark_dynamic(t, 0)  # "maybe": weights keep their sizes
-        return compiled(x, *args) if x.is_cuda else fn(x, *args)
-    return dispatch
-
-
-rms_norm = gpu_compiled(kernels.rms_norm_ref)
-gather_kv = gpu_compiled(kernels.gather_kv)  # gather + fp8 dequantize: one pass, not two
-
-
-@gpu_compiled
-def fp8_round_trip(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """k and v (N, Hkv, D) as an fp8 cache gives them back (both in one pass on the GPU)."""
-    return kernels.rotary.to_fp8(k).to(k.dtype), kernels.rotary.to_fp8(v).to(v.dtype)
-
-
-@gpu_compiled
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     residual = x + residual
     return kernels.rms_norm_ref(residual, weight, eps), residual
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """SiLU(gate) * up of x (N, 2 I) = [gate | up] -> (N, I)."""
+    gate, up = x.chunk(2, -1)  # (N, I) each
+    return F.silu(gate) * up
+
+
+def cache_round_trip(k: Tensor, v: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """k and v (N, Hkv, D) as a cache of cache_dtype gives them back (an fp8 cache rounds)."""
+    return (kernels.to_cache_dtype(k, cache_dtype).to(k.dtype),
+            kernels.to_cache_dtype(v, cache_dtype).to(v.dtype))
+
+
+def norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor, attn: "Attention",
+                      rotary: "RotaryEmbedding", q_norm: "RMSNorm | None",
+                      k_norm: "RMSNorm | None") -> tuple[Tensor, Tensor]:
+    """q/k RMSNorm (Qwen3), rotary, and the K/V store into the paged cache; returns q and k."""
+    if q_norm is not None:  # Qwen3: RMS-normalize each head of q and k
+        q, k = q_norm(q), k_norm(k)
+    q, k = rotary(positions, q, k)  # rotate each head by its token's position
+    attn.store_kv(k, v)  # into the paged cache, at the tokens' slots
+    return q, k
+
+
+@dataclass
+class Ops:
+    """The elementwise steps of a forward pass, each a plain function here; extensions.fused
+    gives fused ones. The model runner installs one Ops as OPS at start-up."""
+    rms_norm: Callable = kernels.rms_norm_ref
+    add_rms_norm: Callable = add_rms_norm
+    silu_and_mul: Callable = silu_and_mul
+    norm_rotary_store: Callable = norm_rotary_store
+    gather_kv: Callable = kernels.gather_kv
+    cache_round_trip: Callable = cache_round_trip
+
+
+OPS = Ops()
 
 
 class RMSNorm(nn.Module):
@@ -111,8 +137,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMS-normalize x; with a residual, first add it (fused add + norm); return the sum too."""
-        return (rms_norm(x, self.weight, self.eps) if residual is None
-                else add_rms_norm(x, residual, self.weight, self.eps))
+        return (OPS.rms_norm(x, self.weight, self.eps) if residual is None
+                else OPS.add_rms_norm(x, residual, self.weight, self.eps))
 
 
 class RotaryEmbedding(nn.Module):
@@ -130,13 +156,6 @@ class RotaryEmbedding(nn.Module):
         """q (N, H, D) and k (N, Hkv, D) rotated by their tokens' positions (N,)."""
         angles = self.cos_sin[positions]  # (N, D)
         return kernels.rotary_ref(q, angles), kernels.rotary_ref(k, angles)
-
-
-@gpu_compiled
-def silu_and_mul(x: Tensor) -> Tensor:
-    """SiLU(gate) * up of x (N, 2 I) = [gate | up] -> (N, I)."""
-    gate, up = x.chunk(2, -1)  # (N, I) each
-    return F.silu(gate) * up
 
 
 # ---- tensor-parallel linears ---------------------------------------------------------------------
@@ -229,47 +248,43 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 # ---- attention -----------------------------------------------------------------------------------
+def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
+                 scale: float) -> Tensor:
+    """The core's decode attention: q (S, H, D), one token per sequence, over its blocks."""
+    return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+
+
 class Attention(nn.Module):
     """The paged KV cache of one layer, and attention over it: varlen flash attention for prefill,
-    the paged-decode kernel for decode. Both read K and V as the cache holds them (with an fp8
-    cache, rounded), so a prompt's output does not depend on whether its prefix was cached."""
+    the decode backend for decode (the paged-decode kernel, unless an extension gives another).
+    Both read K and V as the cache holds them (with an fp8 cache, rounded), so a prompt's output
+    does not depend on whether its prefix was cached."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.tensor([])  # (num_blocks, B, Hkv, D), set by the runner
+        self.decode_backend: Callable[..., Tensor] = paged_decode  # extension point
 
     def store_kv(self, k: Tensor, v: Tensor) -> None:
         """Write the new tokens' k and v (N, Hkv, D) into the cache at their slots."""
         if self.k_cache.numel():  # the profiling run, before the cache exists, stores nothing
             slots = get_forward_context().slot_mapping
-            kernels.store_kvcache_ref(k, v, self.k_cache, self.v_cache, slots)
+            kernels.store_kv(k, v, self.k_cache, self.v_cache, slots)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (N, H, D), k and v (N, Hkv, D) of the new tokens, already in the cache -> (N, H, D)."""
         ctx = get_forward_context()
         if not ctx.is_prefill:  # one new token per sequence against its blocks
-            return kernels.paged_decode(q, self.k_cache, self.v_cache, ctx.block_tables,
-                                        ctx.context_lens, self.scale,
-                                        num_common_blocks=ctx.num_common_blocks)
+            return self.decode_backend(q, self.k_cache, self.v_cache, ctx, self.scale)
         if ctx.context_slots is not None:  # prefix hits: the cached keys are not in k, v
             # (Nk, Hkv, D), dequantized from an fp8 cache: the new tokens' K/V too, as decode reads
-            k, v = gather_kv(self.k_cache, self.v_cache, ctx.context_slots, q.dtype)
-        elif self.k_cache.dtype == torch.float8_e4m3fn:  # no hits: rounded, as a hit reads them
-            k, v = fp8_round_trip(k, v)
+            k, v = OPS.gather_kv(self.k_cache, self.v_cache, ctx.context_slots, q.dtype)
+        elif self.k_cache.dtype != k.dtype:  # no hits: rounded, as a hit reads them
+            k, v = OPS.cache_round_trip(k, v, self.k_cache.dtype)
         return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
-
-
-def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                            rotary: RotaryEmbedding, attn: Attention, q_norm: RMSNorm | None,
-                            k_norm: RMSNorm | None) -> tuple[Tensor, Tensor]:
-    """q/k RMSNorm (Qwen3), rotary and the K/V store as one Triton kernel: what SelfAttention's
-    plain steps compute, with one launch per layer instead of five."""
-    norm = None if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-    return kernels.rotary_and_store(q, k, v, positions, rotary.cos_sin, attn.k_cache,
-                                    attn.v_cache, get_forward_context().slot_mapping, norm)
 
 
 # ---- sampling ------------------------------------------------------------------------------------

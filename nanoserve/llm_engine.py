@@ -2,16 +2,18 @@
 
 It tokenizes and validates requests, loops until they finish, and returns outputs in prompt order.
 Owns: the tokenizer, request validation (bad input raises before anything is scheduled, and the
-engine stays usable), the engine loop, the progress bar and the trace. The loop is plain in
-`step()`; with overlap scheduling it is overlap.OverlapLoop's, the same calls in another order.
+engine stays usable), the engine loop, streaming text and the progress bar.
+Extension points (each extension attaches at one, see nanoserve/extensions/):
+- the step loop: `self.loop`, None for the plain loop in `step()` (overlap scheduling);
+- a step's outputs: `self.observers`, StepObservers that see each step's tokens and its end
+  (stop strings, logprobs, the trace, the timeline); the model runner's `sampling_hooks` see the
+  logits before and after sampling.
 Does not own: batching policy (scheduler), tensors (model_runner), worker processes (distributed).
 Invariant: after generate() returns or raises, no sequence of that call is left in the scheduler.
 """
 import atexit
 import gc
-import logging
 import numbers
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import suppress
@@ -22,36 +24,30 @@ from tokenizers.decoders import DecodeStream
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-from nanoserve.config import Config, SamplingParams
+from nanoserve.config import Config, SamplingParams, extension
 from nanoserve.distributed import Workers
-from nanoserve.model_runner import ModelRunner
-from nanoserve.overlap import OverlapLoop
+from nanoserve.model_runner import ModelRunner, StepOutput
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.timeline import Timeline
 from nanoserve.weights import default_model_dir
 
-logger = logging.getLogger("nanoserve")
+# SamplingParams fields that ask for an extension when set: field -> extension module
+REQUEST_EXTENSIONS = {"stop": "stop_strings", "logprobs": "logprobs"}
 
 
-class TqdmHandler(logging.Handler):
-    """Prints log records with tqdm.write, which clears a progress bar's line first and draws the
-    bar again below: a trace line never shares a line with the bar."""
+class StepObserver:
+    """Extension point "a step's outputs": every hook a no-op here; an extension overrides the
+    ones it needs and is added to LLMEngine.observers."""
 
-    def emit(self, record: logging.LogRecord) -> None:
-        tqdm.write(self.format(record), file=sys.stderr)
+    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
+        """A step's sampled tokens (host lists, synced), before the scheduler records them."""
 
+    def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
+        """The step is recorded; return the sequences this extension finished in it."""
+        return []
 
-def show_trace() -> None:
-    """Let the trace through without the program configuring logging: the `nanoserve` logger
-    passes INFO unless the program set its level, and prints to stderr through a TqdmHandler
-    unless a handler of the program's (or pytest's) would already print it."""
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():
-        handler = TqdmHandler()
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-        logger.addHandler(handler)
+    def on_abort(self, seq: Sequence) -> None:
+        """seq was aborted between steps."""
 
 
 @dataclass
@@ -68,28 +64,23 @@ class RequestOutput:
 
 
 class TextStream:
-    """Incremental detokenization of one sequence's output, cut at its first stop string.
+    """Incremental detokenization of one sequence's output.
 
     Decoding each new token alone goes wrong twice: a character of several bytes spans several
     tokens (a part decodes to U+FFFD), and tokenizers drop a word's leading space when its token
     starts the text. The tokenizers library's DecodeStream gets both right: it returns a token's
     text once its characters are complete (else None). A request that ends mid-character ends
-    with U+FFFD, as a whole decode shows it. While stop strings may still match, their length
-    minus one characters are held back."""
+    with U+FFFD, as a whole decode shows it."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, stop: tuple[str, ...],
-                 streamed: bool) -> None:
-        self.tokenizer, self.stop, self.streamed = tokenizer, stop, streamed
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, streamed: bool) -> None:
+        self.tokenizer, self.streamed = tokenizer, streamed
         self.decoder = DecodeStream(skip_special_tokens=True)
         self.num_decoded = self.num_complete = 0  # output tokens decoded; of those, in the text
-        self.text, self.stopped = "", False  # the text so far; whether a stop string cut it
+        self.text = ""
         self.num_sent_chars = self.num_sent_tokens = 0  # handed out by delta() / stream_step()
 
-    def update(self, token_ids: list[int], finished: bool) -> bool:
-        """Take the output tokens so far; return whether a stop string now ends the text."""
-        if self.stopped:
-            return True
-        searched = len(self.text)
+    def update(self, token_ids: list[int], finished: bool) -> None:
+        """Take the output tokens so far."""
         for i in range(self.num_decoded, len(token_ids)):
             piece = self.decoder.step(self.tokenizer.backend_tokenizer, token_ids[i])
             if piece is not None:
@@ -99,16 +90,14 @@ class TextStream:
             self.text += self.tokenizer.decode(token_ids[self.num_complete:],
                                                skip_special_tokens=True)
             self.num_complete = len(token_ids)  # (a finished sequence may be seen again)
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched - len(s) + 1)))
-                >= 0]
-        if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
-        return self.stopped
+
+    def num_held(self, finished: bool) -> int:
+        """Characters at the end of the text not to hand out yet (stop strings hold some)."""
+        return 0
 
     def delta(self, finished: bool) -> str:
-        """The text not handed out yet, minus what could still become a stop string."""
-        hold = 0 if finished or not self.stop else max(map(len, self.stop)) - 1
-        end = max(self.num_sent_chars, len(self.text) - hold)
+        """The text not handed out yet."""
+        end = max(self.num_sent_chars, len(self.text) - self.num_held(finished))
         out, self.num_sent_chars = self.text[self.num_sent_chars:end], end
         return out
 
@@ -119,32 +108,40 @@ class LLMEngine:
         if unknown := set(kwargs) - set(names):
             raise ValueError(f"unknown LLM settings {sorted(unknown)}; the settings are the "
                              f"fields of nanoserve.config.Config: {names}")
-        self.config = Config(model or default_model_dir(), **kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.config = cfg = Config(model or default_model_dir(), **kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         # ranks 1..N-1 in their own processes
-        self.workers = Workers(self.config) if self.config.tensor_parallel_size > 1 else None
+        self.workers = Workers(cfg) if cfg.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
         atexit.register(self.shutdown)
         try:  # a model runner that fails to start: the workers already started stop
             port = self.workers.port if self.workers is not None else None
-            self.model_runner = ModelRunner(self.config, 0, port, self.workers)
+            self.model_runner = ModelRunner(cfg, 0, port, self.workers)
         except BaseException:
             self.shutdown()
             raise
-        self.scheduler = Scheduler(self.config, self._eos_token_ids())
-        # one rank only: TP workers never see the sampled tokens, and rank 0's wait for them is
-        # also what tells it the workers have read a call before the next one overwrites it
-        self.overlap = (OverlapLoop(self.scheduler, self.model_runner)
-                        if self.config.overlap_scheduling and self.workers is None else None)
+        self.scheduler = Scheduler(cfg, self._eos_token_ids())
         self.streams: dict[int, TextStream] = {}  # seq_id -> its text, for streams and stops
-        self.timeline = Timeline(self.config, self.scheduler) if self.config.timeline else None
-        if self.config.trace:  # (or NANOSERVE_TRACE=1) after start-up, whose INFO lines it skips
-            show_trace()
+        self.loop = None  # the step loop: None for step()'s plain one
+        self.observers: list[StepObserver] = []  # a step's outputs
+        self.extensions: dict[str, object] = {}  # name -> what its attach() returned
+        self.timeline = None  # with timeline=True, the record of every step
+        # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait
+        # for them is also what tells it the workers have read a call before the next one
+        for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
+                         ("trace", cfg.trace), ("timeline", cfg.timeline)):
+            if on:
+                self._attach(name)
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
         # out of Python's full garbage collections, which scan every object alive and pause the
         # engine while they do (docs/performance.md); shutdown unfreezes them.
         gc.collect()
         gc.freeze()
+
+    def _attach(self, name: str) -> None:
+        """Import extension `name` (ValueError if it is missing) and let it attach itself."""
+        if name not in self.extensions:
+            self.extensions[name] = extension(name).attach(self)
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}
@@ -153,11 +150,19 @@ class LLMEngine:
             ids |= set(gen) if isinstance(gen, list) else {gen}
         return {i for i in ids if i is not None}
 
+    def _check_running(self) -> None:
+        if self.model_runner is None:
+            raise RuntimeError("this engine was shut down: create a new LLM")
+
     # ---- requests -----------------------------------------------------------------------------
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate one request; raise ValueError naming the fix, changing nothing."""
+        self._check_running()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        for field, name in REQUEST_EXTENSIONS.items():
+            if getattr(params, field) not in (None, ()):
+                self._attach(name)
         if not isinstance(prompt, (str, list, tuple, np.ndarray)):
             raise ValueError("a prompt must be a string or a list of token ids, got "
                              f"{type(prompt).__name__}")
@@ -193,24 +198,27 @@ class LLMEngine:
     def _follow_text(self, seq: Sequence, streamed: bool) -> None:
         """Decode seq's text step by step when it is streamed or has stop strings, which are
         matched on the text as it grows; otherwise it is decoded once, when it finishes."""
-        if streamed or seq.params.stop:
-            self.streams[seq.seq_id] = TextStream(self.tokenizer, seq.params.stop, streamed)
+        if seq.params.stop:
+            self.streams[seq.seq_id] = self.extensions["stop_strings"].stream(seq, streamed)
+        elif streamed:
+            self.streams[seq.seq_id] = TextStream(self.tokenizer, streamed)
 
     def abort_request(self, seq: Sequence) -> None:
         """Finish a request now (its client went away): its blocks are free at once."""
+        self._check_running()
         self.scheduler.abort([seq])
         self.streams.pop(seq.seq_id, None)
-        if self.timeline is not None:
-            self.timeline.abort(seq)
+        for observer in self.observers:
+            observer.on_abort(seq)
 
     def has_unfinished(self) -> bool:
+        self._check_running()
         return self.scheduler.has_unfinished()
 
     def stream_step(self) -> list[RequestOutput]:
         """Run one step; return what it added to each streamed request (new tokens, new text)."""
         finished, batch = self.step()
-        seqs = batch.seqs + [seq for seq in finished if seq not in batch.seqs]
-        return [out for seq in seqs if (out := self._stream_output(seq)) is not None]
+        return [out for seq in batch.seqs if (out := self._stream_output(seq)) is not None]
 
     def stream(self, prompt: str | list[int],
                params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -221,44 +229,32 @@ class LLMEngine:
             while not seq.is_finished:
                 yield from (out for out in self.stream_step() if out.request_id == seq.seq_id)
         finally:
-            self.abort_request(seq)  # a consumer that stops early frees the blocks
+            if self.model_runner is not None:
+                self.abort_request(seq)  # a consumer that stops early frees the blocks
 
     def step(self) -> tuple[list[Sequence], Batch]:
         """Run one batch and record its tokens; return the sequences that finished and the batch."""
-        before = self._counters() if self.config.trace else None
-        if self.overlap is not None:  # the same three calls, the next step launched first
-            finished, batch = self.overlap.step()
+        self._check_running()
+        if self.loop is not None:  # an extension's loop: the same calls in another order
+            finished, batch = self.loop.step()
         else:
             batch = self.scheduler.schedule()
             try:
                 out = self.model_runner.run(batch)
                 token_ids = out.tolist()
-                logprobs = out.logprob_dicts(token_ids)
             except BaseException:
                 self.scheduler.cancel(batch)  # its prompts wait again
                 raise
-            finished = self.scheduler.postprocess(batch, token_ids, logprobs)
-        finished += self._match_stop_strings(batch)
-        if before is not None:
-            self._trace(batch, before, len(finished))
-        if self.timeline is not None:
-            self.timeline.record(batch, finished)
+            finished = self.postprocess(batch, out, token_ids)
+        for observer in self.observers:
+            finished += observer.after_step(batch, finished)
         return finished, batch
 
-    def _match_stop_strings(self, batch: Batch) -> list[Sequence]:
-        """Decode the new tokens of the batch's text streams; finish those that met a stop
-        string. Returns them."""
-        if not self.streams:  # no text followed: nothing to look up
-            return []
-        stopped = []
-        for seq in batch.seqs:
-            if (text := self.streams.get(seq.seq_id)) is not None:
-                if text.update(seq.output_token_ids, seq.is_finished) and not seq.is_finished:
-                    self.scheduler.abort([seq], reason="stop")
-                    stopped.append(seq)
-                if text.stopped:
-                    seq.finish_reason = "stop"
-        return stopped
+    def postprocess(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
+        """Hand a step's tokens to the observers, then to the scheduler; return the finished."""
+        for observer in self.observers:
+            observer.on_tokens(batch, out, token_ids)
+        return self.scheduler.postprocess(batch, token_ids)
 
     def _stream_output(self, seq: Sequence) -> RequestOutput | None:
         """What the last step added to a streamed request, or None (nothing, or not streamed)."""
@@ -268,6 +264,7 @@ class LLMEngine:
         new_ids = seq.output_token_ids[text.num_sent_tokens:]
         if not new_ids and not seq.is_finished:
             return None
+        text.update(seq.output_token_ids, seq.is_finished)
         start, text.num_sent_tokens = text.num_sent_tokens, text.num_sent_tokens + len(new_ids)
         if seq.is_finished:
             del self.streams[seq.seq_id]
@@ -277,26 +274,13 @@ class LLMEngine:
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
                              seq.num_output_tokens)
 
-    def _counters(self) -> dict[str, int]:
-        """Running counts of blocks allocated, freed and hit, and of preemptions."""
-        return dict(self.scheduler.block_manager.stats, preempted=self.scheduler.num_preemptions)
-
-    def _trace(self, batch: Batch, before: dict[str, int], num_finished: int) -> None:
-        bm = self.scheduler.block_manager
-        d = {k: v - before[k] for k, v in self._counters().items()}  # this step's counts
-        logger.info(f"{'prefill' if batch.is_prefill else 'decode':7s} seqs={len(batch.seqs):<3d} "
-                    f"tokens={sum(batch.num_new_tokens):<5d} blocks: +{d['allocated']} allocated "
-                    f"-{d['freed']} freed {d['hit']} hit | preempted={d['preempted']} "
-                    f"finished={num_finished} free={bm.num_free_blocks}/{len(bm.blocks)}")
-
     # ---- the whole loop -----------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Generate for every prompt; outputs in prompt order: {"text", "token_ids",
         "finish_reason", "num_cached_tokens"}."""
-        if self.model_runner is None:
-            raise RuntimeError("this engine was shut down: create a new LLM")
+        self._check_running()
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (strings or token-id lists): wrap "
                              "a single prompt in a list")
@@ -332,14 +316,15 @@ class LLMEngine:
                 for seq in finished:
                     if seq.seq_id in ids:
                         text = self.streams.get(seq.seq_id)  # with stop strings: cut there
-                        texts[seq.seq_id] = text.text if text else self.tokenizer.decode(
-                            seq.output_token_ids, skip_special_tokens=True)
+                        texts[seq.seq_id] = self.tokenizer.decode(
+                            seq.output_token_ids, skip_special_tokens=True) if text is None \
+                            else text.text
                         bar.update(1)
-            if self.overlap is not None:
-                self.overlap.finish()  # a step launched for sequences that turned out finished
+            if self.loop is not None:
+                self.loop.finish()  # a step launched for sequences that turned out finished
         finally:
-            if self.overlap is not None:
-                self.overlap.cancel()  # after a failure: drop the step in flight
+            if self.loop is not None:
+                self.loop.cancel()  # after a failure: drop the step in flight
             bar.close()
         return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids,
                  "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}

@@ -6,32 +6,34 @@ on the host (`prepare`), sends the BatchInputs to the other ranks (distributed.W
 rank runs `forward` and joins the collectives, and rank 0 alone samples.
 Does not own: which sequences run (scheduler), which blocks they hold (block_manager), the CUDA
 graphs (cuda_graphs) or the worker processes (distributed).
+Extension points on the device side: the attention backend (`cascade_attention`: each Attention
+layer's decode), the elementwise kernels (`fused_kernels`: layers.OPS), the cache dtype
+(`kv_cache_dtype="fp8"`) and the sampling hooks (`sampling_hooks`: the logits before and after the
+sampler). Each is looked up once, at start-up, from the settings.
 Invariant: the KV cache is sized once, at start-up, before any request is admitted.
-Called by: llm_engine (run, shutdown), overlap (run with input ids on the device).
+Called by: llm_engine (run, shutdown), extensions.overlap (run with input ids on the device).
 """
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanoserve.config import Config, cdiv
+from nanoserve import kernels, layers
+from nanoserve.config import Config, cdiv, extension
 from nanoserve.cuda_graphs import DecodeGraphs, graph_batch_size, pinned
 from nanoserve.distributed import PEER_EXIT_WAIT_SECONDS, Workers, init_process_group
-from nanoserve.kernels import context_slots
-from nanoserve.layers import ForwardContext, Sampler, forward_context
+from nanoserve.layers import BatchInputs, ForwardContext, Sampler, forward_context
 from nanoserve.models import DecoderModel
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 from nanoserve.weights import load_weights
 
-CASCADE_MIN_SEQS = 32  # cascade attention from this decode batch size on (it costs at tiny ones)
 CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on the CPU when num_kvcache_blocks is not given: 1 GiB
 KEY_LIMIT = 1 << 63  # sampling keys are int64 >= 0
-FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper and newer
 
 logger = logging.getLogger("nanoserve")
 
@@ -43,77 +45,37 @@ def sampling_key(seed: int, position: int) -> int:
     return hash((seed, position)) % KEY_LIMIT
 
 
-@dataclass(kw_only=True)
-class BatchInputs:
-    """A batch as host arrays: what every rank needs for one forward pass (built on rank 0)."""
-    is_prefill: bool
-    input_ids: np.ndarray  # (N,) int64
-    positions: np.ndarray  # (N,) int64
-    slot_mapping: np.ndarray  # (N,) int32
-    cu_seqlens_q: np.ndarray | None = None  # (S+1,) int32, prefill
-    cu_seqlens_k: np.ndarray | None = None  # (S+1,) int32, prefill
-    context_lens: np.ndarray | None = None  # (S,) int32, decode
-    block_tables: np.ndarray | None = None  # (S, max_blocks) int32: decode, prefill with hits
-    num_common_blocks: int = 0  # decode: leading blocks every sequence shares (cascade), 0 = off
-
-
 @dataclass
 class StepOutput:
     """One step's sampled tokens: kept on the device (the next step may read them there) and
     copied, without blocking, to the host; tolist() waits for that copy only."""
     token_ids: Tensor  # (S,) int64 on the device
     host: Tensor  # (S,) int64 on the host, pinned on CUDA
-    copied: torch.cuda.Event | None = None  # recorded after the copy; None on CPU
-    # with SamplingParams(logprobs=k) in the batch, on the host: each row's k (None: not asked),
-    # and the sampled token's log-probability (S,), the top ids (S, K) and theirs (S, K)
-    logprob_ks: list[int | None] | None = None
-    logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+    copied: torch.cuda.Event | None = None  # recorded after the copies; None on CPU
+    # what sampling hooks add, per row on the host (copies in flight until `copied`)
+    extras: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
 
     def tolist(self) -> list[int]:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host.tolist()
 
-    def logprob_dicts(self, token_ids: list[int]) -> list[dict[int, float] | None] | None:
-        """Per row: {sampled token: its logprob, then the k likeliest: theirs}, or None.
-        token_ids: tolist()'s, which has waited for the copies."""
-        if self.logprobs is None:
-            return None
-        chosen, ids, values = (t.tolist() for t in self.logprobs)
-        return [None if k is None else {t: c} | dict(zip(i[:k], v[:k]))
-                for k, t, c, i, v in zip(self.logprob_ks, token_ids, chosen, ids, values)]
+    def select(self, rows: list[int]) -> "StepOutput":
+        """The output of rows only (after tolist(): the copies are done)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return StepOutput(self.token_ids[index.to(self.token_ids.device)], self.host[index], None,
+                          {name: tuple(t[index] for t in ts) for name, ts in self.extras.items()})
 
 
-def sampled_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The model's log-probabilities (before temperature and top-k/p, as vLLM reports them) of
-    the sampled tokens (S,) and of each row's k likeliest (S, k), ids and values, copied to the host
-    without waiting."""
-    logprobs = logits.float().log_softmax(-1)  # (S, V)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
-    top = logprobs.topk(k, -1)  # (S, k) each
-    return tuple(t.to("cpu", non_blocking=True) for t in (chosen, top.indices, top.values))
+class SamplingHook:
+    """Extension point "the logits before sampling" (and after): no-ops here."""
 
+    def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        return logits  # (S, V)
 
-def kv_cache_dtype(config: Config, device: torch.device) -> torch.dtype:
-    """The model's dtype, or fp8 e4m3 with kv_cache_dtype="fp8": K and V stored as they are
-    (per-tensor scale 1, as vLLM's default), rounded to 3 mantissa bits, saturating at +-448;
-    half the bytes of bf16, so twice the blocks fit. docs/performance.md measures the values'
-    range and what the rounding costs in accuracy."""
-    if config.kv_cache_dtype != "fp8":
-        return config.torch_dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
-                         "(Ada, Hopper): use kv_cache_dtype='auto' on this one")
-    return torch.float8_e4m3fn
-
-
-def common_prefix_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
-                         block_size: int) -> int:
-    """How many leading block-table columns hold the same full block in every row: a shared
-    prefix (prefix-cache hits) that cascade attention reads once for the whole batch."""
-    limit = int(context_lens.min()) // block_size
-    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)  # (limit,)
-    return int(same.argmin()) if not same.all() else limit
+    def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
+                     out: StepOutput) -> None:
+        """May add host copies to out.extras (they are waited for with the tokens)."""
 
 
 def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -141,13 +103,18 @@ class ModelRunner:
         # decode batches up to this size replay a graph: the captured size >= max_num_seqs
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.max_graph_batch = graph_batch_size(config.max_num_seqs) if use_graphs else 0
+        triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
+        layers.OPS = extension("fused").ops() if config.fused_kernels and triton else layers.Ops()
         # rng: the sampler's keys for unseeded rows
         self.model, self.sampler, self.rng = self._build_model(), Sampler(), np.random.default_rng()
+        self.cascade = (extension("cascade").Cascade(self.model, config)
+                        if config.cascade_attention and triton else None)
+        self.sampling_hooks: list[SamplingHook] = []
         self.allocate_kv_cache()
         # decode graphs, captured on the device; None: every decode step runs eagerly
         with self.device, torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.max_graph_batch, self.max_blocks_per_seq,
-                                       self.use_cascade, config.torch_dtype) if use_graphs else None
+                                       self.use_cascade, self._context) if use_graphs else None
 
     @torch.inference_mode()
     def _build_model(self) -> DecoderModel:
@@ -166,7 +133,8 @@ class ModelRunner:
         """Size the paged KV cache from the memory a worst-case forward pass leaves, allocate it."""
         layers = self.model.attention_layers()
         block = (self.block_size, layers[0].num_kv_heads, layers[0].head_dim)  # (B, Hkv, D)
-        kv_dtype = kv_cache_dtype(self.config, self.device)
+        kv_dtype = (self.config.torch_dtype if self.config.kv_cache_dtype == "auto"
+                    else extension("fp8").kv_cache_dtype(self.device))
         block_bytes = 2 * len(layers) * int(np.prod(block)) * kv_dtype.itemsize
         if (num_blocks := self.config.num_kvcache_blocks) is None:
             num_blocks = self._measure_num_blocks(block_bytes)
@@ -176,8 +144,9 @@ class ModelRunner:
                 num_blocks = int(t.item())
             self.config.check_kvcache_fits(num_blocks, block_bytes)
             self.config.num_kvcache_blocks = num_blocks
-        # (2, layers, num_blocks, B, Hkv, D): K and V of every layer, allocated at once
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, *block, dtype=kv_dtype,
+        # (2, layers, num_blocks + 1, B, Hkv, D): K and V of every layer, allocated at once; the
+        # last block is a spare no sequence owns, where slot -1 (a padded graph row) writes
+        self.kv_cache = torch.empty(2, len(layers), num_blocks + 1, *block, dtype=kv_dtype,
                                     device=self.device)
         if self.rank == 0:
             logger.info(f"KV cache: {num_blocks} blocks of {self.block_size} tokens, "
@@ -222,8 +191,8 @@ class ModelRunner:
 
     def prepare_prefill(self, batch: Batch) -> BatchInputs:
         input_ids, positions, slot_mapping, cu_q, cu_k = [], [], [], [0], [0]
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        for seq, start, num_new in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            end = start + num_new
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += token_slots(seq.block_table, start, end, self.block_size)
@@ -242,16 +211,15 @@ class ModelRunner:
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], np.int64)  # (S,)
         slots = last_blocks * self.block_size + positions % self.block_size
         context_lens, block_tables = (positions + 1).astype(np.int32), self.block_tables(seqs)
-        common = (common_prefix_blocks(block_tables, context_lens, self.block_size)
-                  if self.use_cascade(len(seqs)) else 0)
         return BatchInputs(is_prefill=False, positions=positions,
                            input_ids=np.array([seq.token_ids[-1] for seq in seqs], np.int64),
                            slot_mapping=slots.astype(np.int32), context_lens=context_lens,
-                           block_tables=block_tables, num_common_blocks=common)
+                           block_tables=block_tables, num_common_blocks=self.cascade and
+                           self.cascade.num_common_blocks(block_tables, context_lens))
 
     def use_cascade(self, num_seqs: int) -> bool:
-        """Cascade attention for a decode batch of num_seqs? Only prefix-cache hits share blocks."""
-        return self.config.enable_prefix_caching and num_seqs >= CASCADE_MIN_SEQS
+        """Does a decode batch of num_seqs use the cascade backend's shared-prefix kernel?"""
+        return self.cascade is not None and self.cascade.use_prefix(num_seqs)
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width, flat = max(len(seq.block_table) for seq in seqs), []
@@ -261,10 +229,13 @@ class ModelRunner:
         return np.array(flat, np.int32).reshape(len(seqs), width)  # (S, width), -1 past the end
 
     # ---- device side: arrays -> logits (every rank) -------------------------------------------
-    def to_device(self, array: np.ndarray | None) -> Tensor | None:
-        """array on the device, copied without blocking the host (from pinned memory on CUDA)."""
-        if array is None or self.device.type == "cpu":  # nothing to copy
-            return None if array is None else torch.from_numpy(array)
+    def to_device(self, array: np.ndarray | Tensor | None) -> Tensor | None:
+        """array on the device, copied without blocking the host (from pinned memory on CUDA);
+        a tensor (a CUDA graph's buffer) is there already."""
+        if array is None or isinstance(array, Tensor):
+            return array
+        if self.device.type == "cpu":  # nothing to copy
+            return torch.from_numpy(array)
         return pinned(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
@@ -287,17 +258,16 @@ class ModelRunner:
         """The batch layout on the device, for an eager forward pass (a graph holds its own)."""
         d, cu_q, cu_k = self.to_device, inputs.cu_seqlens_q, inputs.cu_seqlens_k
         if not inputs.is_prefill:
-            common = inputs.num_common_blocks  # cascade attention reads it on the device
             return ForwardContext(
                 is_prefill=False, slot_mapping=d(inputs.slot_mapping),
                 context_lens=d(inputs.context_lens), block_tables=d(inputs.block_tables),
-                num_common_blocks=d(np.array([common], np.int32)) if common else None)
+                num_common_blocks=d(inputs.num_common_blocks))
         ctx = ForwardContext(is_prefill=True, slot_mapping=d(inputs.slot_mapping),
                              cu_seqlens_q=d(cu_q), max_seqlen_q=int(np.diff(cu_q).max()),
                              cu_seqlens_k=d(cu_k), max_seqlen_k=int(np.diff(cu_k).max()))
         if inputs.block_tables is not None:  # prefix hits: slots computed once, read by all layers
-            ctx.context_slots = context_slots(d(inputs.block_tables), ctx.cu_seqlens_k,
-                                              self.block_size, int(cu_k[-1]))
+            ctx.context_slots = kernels.context_slots(d(inputs.block_tables), ctx.cu_seqlens_k,
+                                                      self.block_size, int(cu_k[-1]))
         return ctx
 
     def _logits_rows(self, cu_seqlens_q: np.ndarray) -> np.ndarray:
@@ -312,6 +282,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
         params, d = [seq.params for seq in seqs], self.to_device
+        for hook in self.sampling_hooks:
+            logits = hook.before_sample(logits, seqs)
         temperatures = keys = None  # None: every row is greedy
         if any(p.temperature > 0 for p in params):
             temperatures = d(np.array([p.temperature for p in params], np.float32))
@@ -325,10 +297,8 @@ class ModelRunner:
         token_ids = self.sampler(logits, temperatures, keys, top_ks, top_ps)  # (S,) int64
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
         out = StepOutput(token_ids, token_ids.to("cpu", non_blocking=True))
-        if any(p.logprobs is not None for p in params):  # else no cost at all
-            out.logprob_ks = [p.logprobs for p in params]
-            k = max(filter(None, out.logprob_ks), default=0)  # logprobs=0: the sampled one only
-            out.logprobs = sampled_logprobs(logits, token_ids, k)
+        for hook in self.sampling_hooks:
+            hook.after_sample(logits, token_ids, seqs, out)
         if self.device.type == "cuda":  # after every copy to the host
             out.copied = torch.cuda.current_stream().record_event()
         return out

@@ -10,7 +10,7 @@ weight loader where each checkpoint tensor goes. Owns the architecture, not the 
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from nanoserve import kernels, layers
+from nanoserve import layers
 
 
 def rope_theta(cfg: PretrainedConfig) -> float:
@@ -44,14 +44,9 @@ class SelfAttention(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], -1)
         q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)  # (N, heads, D)
-        if not kernels.use_triton(x):  # CPU: the plain steps; GPU or TRITON_INTERPRET=1: fused
-            if self.q_norm is not None:  # Qwen3: RMS-normalize each head of q and k
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)  # rotate each head by its token's position
-            self.attn.store_kv(k, v)  # into the paged cache, at the tokens' slots
-        else:  # the same three steps as one Triton kernel
-            q, k = layers.fused_norm_rotary_store(positions, q, k, v, self.rotary, self.attn,
-                                                  self.q_norm, self.k_norm)
+        # q/k norm (Qwen3) -> rotary -> K/V into the paged cache
+        q, k = layers.OPS.norm_rotary_store(positions, q, k, v, self.attn, self.rotary,
+                                            self.q_norm, self.k_norm)
         o = self.attn(q, k, v)  # (N, H, D): attend to each sequence's cached context
         return self.o_proj(o.flatten(1))  # (N, hidden)
 
@@ -67,7 +62,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # (N, 2 I): gate and up, one GEMM
-        return self.down_proj(layers.silu_and_mul(gate_up))  # (N, I) -> (N, hidden)
+        return self.down_proj(layers.OPS.silu_and_mul(gate_up))  # (N, I) -> (N, hidden)
 
 
 class DecoderLayer(nn.Module):

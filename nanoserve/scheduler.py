@@ -10,7 +10,8 @@ Invariant: a sequence is in exactly one of `waiting` and `running`, or finished 
 Called by: llm_engine (add, schedule, postprocess; cancel and abort after a failure).
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config
@@ -19,11 +20,25 @@ from nanoserve.sequence import Sequence, SequenceStatus
 
 @dataclass
 class Batch:
-    """One step's work: seqs[i] computes num_new_tokens[i] tokens, the first at its
-    num_computed_tokens (a decode: its newest token)."""
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens, from position starts[i] in a
+    prefill (past its computed tokens), its newest token in a decode."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
+    starts: list[int] = field(default_factory=list)  # prefill only
+
+
+class SchedulerStats(NamedTuple):
+    """A read-only view of the queues and the KV blocks, shared by the trace, the timeline and
+    the server's metrics; the counts (num_preemptions and after) run since start-up."""
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_allocated: int  # blocks handed out fresh
+    num_freed: int  # blocks back in the pool
+    num_hits: int  # blocks served by the prefix cache
 
 
 class Scheduler:
@@ -43,14 +58,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(len(self.waiting), len(self.running), bm.num_free_blocks,
+                              len(bm.blocks), self.num_preemptions, bm.num_allocated,
+                              bm.num_freed, bm.num_hits)
+
     def schedule(self) -> Batch:
         prefill = self.schedule_prefill()  # prompts first; a decode when none can start
         batch = prefill if prefill.seqs else self.schedule_decode()
         assert batch.seqs, "nothing schedulable: a sequence larger than the KV cache got in"
         return batch
 
-    def schedule_prefill(self) -> Batch:
-        """Take waiting prompts in order while the token budget, batch size and blocks allow."""
+    def schedule_prefill(self, in_flight: Batch | None = None) -> Batch:
+        """Take waiting prompts in order while the token budget, batch size and blocks allow.
+        in_flight: a prefill not postprocessed yet (overlap), whose chunked last prompt goes on
+        after the chunk it computes."""
         batch, budget = Batch([], [], is_prefill=True), self.max_num_batched_tokens
         # a finished prompt joins `running` at once, so len(running) counts this batch too
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -58,11 +81,14 @@ class Scheduler:
             if not seq.block_table and not self.block_manager.allocate(seq):
                 break  # not enough free blocks: wait for running sequences to finish
             start = seq.num_computed_tokens  # past the prefix-cache hits
+            if in_flight is not None and in_flight.seqs[-1] is seq:
+                start += in_flight.num_new_tokens[-1]
             num_new = min(seq.num_tokens - start, budget)
             # registered now, not after the step: later prompts of this batch reuse them at once
             self.block_manager.register_blocks(seq, start + num_new)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.starts.append(start)
             budget -= num_new
             if start + num_new < seq.num_tokens:
                 break  # chunked: the rest of this prompt goes in the next step, still first in line
@@ -95,22 +121,16 @@ class Scheduler:
         self.block_manager.free(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: Batch, token_ids: list[int],
-                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
-        """Record the step's progress and sampled tokens (and their logprobs, where asked for);
-        return the sequences that finished."""
+    def postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
+        """Record the step's progress and sampled tokens; return the sequences that finished."""
         finished = []
-        logprobs = logprobs or [None] * len(token_ids)
-        for seq, num_new, token_id, lp in zip(batch.seqs, batch.num_new_tokens, token_ids,
-                                              logprobs):
+        for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, token_ids):
             seq.num_computed_tokens += num_new
             self.block_manager.register_blocks(seq, seq.num_computed_tokens)
             self.block_manager.mark_computed(seq, num_new)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token is sampled until the whole prompt is cached
             seq.append_token(token_id)
-            if lp is not None:
-                seq.logprobs.append(lp)
             seq.finish_reason = self._finish_reason(seq, token_id)
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED

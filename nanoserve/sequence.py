@@ -61,3 +61,7 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def pop_token(self) -> int:
+        """Take back the newest token (overlap: a placeholder the real token replaces)."""
+        return self.token_ids.pop()

@@ -49,13 +49,11 @@ def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 
 
 def context_slots(block_tables: Tensor, cu_seqlens_k: Tensor, block_size: int,
-                  num_tokens: int | None = None) -> Tensor:
+                  num_tokens: int) -> Tensor:
     """Cache slot of each of the first Lk_s tokens of every sequence s, packed (Nk,) int64: where a
     prefill with prefix hits reads its context's K/V (gather_kv). Computed once per step, then used
-    by every layer. num_tokens = Nk = cu_seqlens_k[-1]; passing it from the host saves a
-    device-to-host sync."""
+    by every layer. num_tokens = Nk = cu_seqlens_k[-1], from the host: no device-to-host sync."""
     assert block_tables.shape[0] == cu_seqlens_k.shape[0] - 1
-    num_tokens = int(cu_seqlens_k[-1]) if num_tokens is None else num_tokens  # host sync if None
     token = torch.arange(num_tokens, dtype=cu_seqlens_k.dtype, device=block_tables.device)  # (Nk,)
     seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)  # (Nk,) each token's sequence
     pos = (token - cu_seqlens_k[seq]).long()  # (Nk,) its position within that sequence

@@ -3,8 +3,9 @@
 Owns: the record (a column per step, a row per request: prefill chunks, decodes, preemption and
 recompute, prefix-cache hits, the finish; per step: tokens, batch size, KV blocks in use) and its
 matplotlib figure. Does not own scheduling: it reads what the scheduler did from host-side state it
-already keeps (the batch, the queues, the preemption count), so recording adds no device sync, and
-an engine without `timeline=True` builds none. Called by LLMEngine.step (record) and by users:
+already keeps (the batch, the queues, Scheduler.stats()), so recording adds no device sync, and an
+engine without `timeline=True` builds none. Attaches at the core's "a step's outputs" point (a
+StepObserver); users read it as `llm.timeline`:
 
     llm = LLM(timeline=True)                 # or: python example.py --timeline timeline.png
     llm.generate(prompts, params)
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from nanoserve.config import Config
+from nanoserve.llm_engine import LLMEngine, StepObserver
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
 
@@ -58,17 +60,21 @@ class Step(NamedTuple):
     num_waiting: int  # requests in the waiting queue after the step
 
 
-class Timeline:
+class Timeline(StepObserver):
     def __init__(self, config: Config, scheduler: Scheduler) -> None:
         self.config, self.scheduler = config, scheduler
         self.rows: dict[int, Row] = {}  # by seq_id
         self.steps: list[Step] = []
-        self.num_preemptions = scheduler.num_preemptions  # the scheduler's count, as last seen
+        self.num_preemptions = scheduler.stats().num_preemptions  # as last seen
+
+    def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
+        self.record(batch, finished)
+        return []
 
     def record(self, batch: Batch, finished: list[Sequence]) -> None:
         """Add a column: `batch` was just postprocessed and `finished` ended in it. Costs
         O(batch + arrivals + preemptions): it never walks the whole queues."""
-        step, sched = len(self.steps), self.scheduler
+        step, sched, stats = len(self.steps), self.scheduler, self.scheduler.stats()
         for seq in batch.seqs:
             row = self._row(seq, step)
             if row.finish is None:  # with overlap, a decode can run one step past a late EOS
@@ -80,17 +86,16 @@ class Timeline:
                 self._row(seq, step)
         # since the last column, only this batch's scheduling preempted (schedule_decode), each
         # sequence to the front of `waiting`
-        for seq in islice(sched.waiting, sched.num_preemptions - self.num_preemptions):
+        for seq in islice(sched.waiting, stats.num_preemptions - self.num_preemptions):
             row = self._row(seq, step)
             row.cells[step], row.num_tokens = PREEMPTED, seq.num_tokens
-        self.num_preemptions = sched.num_preemptions
+        self.num_preemptions = stats.num_preemptions
         for seq in finished:
             self._row(seq, step).finish = step
-        bm = sched.block_manager
         self.steps.append(Step(batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens),
-                               len(bm.blocks) - bm.num_free_blocks, len(sched.waiting)))
+                               stats.num_blocks - stats.num_free_blocks, stats.num_waiting))
 
-    def abort(self, seq: Sequence) -> None:
+    def on_abort(self, seq: Sequence) -> None:
         """A request aborted between steps (LLMEngine.abort_request) ends at the last column."""
         if (row := self.rows.get(seq.seq_id)) is not None and row.finish is None:
             row.finish = max(row.arrival, len(self.steps) - 1)
@@ -125,11 +130,12 @@ class Timeline:
         return rows, grid
 
     def title(self) -> str:
-        c, bm = self.config, self.scheduler.block_manager
+        c = self.config
         overlap = c.overlap_scheduling and c.tensor_parallel_size == 1  # TP runs the plain loop
         return (f"{Path(c.model).name} on {c.device}, tp={c.tensor_parallel_size}: "
-                f"{len(self.rows)} requests in {len(self.steps)} steps\n{len(bm.blocks)} KV blocks"
-                f" of {bm.block_size} tokens, max_num_batched_tokens={c.max_num_batched_tokens}, "
+                f"{len(self.rows)} requests in {len(self.steps)} steps\n"
+                f"{self.scheduler.stats().num_blocks} KV blocks of {c.kvcache_block_size} tokens, "
+                f"max_num_batched_tokens={c.max_num_batched_tokens}, "
                 f"max_num_seqs={c.max_num_seqs}, enable_prefix_caching={c.enable_prefix_caching}"
                 f", overlap_scheduling={overlap}")
 
@@ -177,7 +183,7 @@ class Timeline:
         is_prefill, num_seqs, num_tokens, num_used, num_waiting = (
             np.array(self.steps, int).reshape(-1, len(Step._fields)).T)  # each (T,)
         kv.stairs(num_used, edges, fill=True, color="#807dba", label="in use")
-        kv.axhline(len(self.scheduler.block_manager.blocks), color="black", ls="--", label="total")
+        kv.axhline(self.scheduler.stats().num_blocks, color="black", ls="--", label="total")
         for label, kind, tokens in (("prefill", PREFILL, num_tokens * is_prefill),
                                     ("decode", DECODE, num_tokens * (1 - is_prefill))):
             tok.stairs(tokens, edges, fill=True, color=LEGEND[kind][1], label=label)
@@ -187,3 +193,9 @@ class Timeline:
             panel.set_ylabel(label)
             panel.legend(loc="upper left", bbox_to_anchor=(1.005, 1))
         bs.set_xlabel("engine step (the batch postprocessed)")
+
+
+def attach(engine: LLMEngine) -> Timeline:
+    engine.timeline = Timeline(engine.config, engine.scheduler)
+    engine.observers.append(engine.timeline)
+    return engine.timeline

@@ -9,20 +9,27 @@ calls in another order: launch step N+1, then wait for step N's tokens and postp
   gets a PENDING placeholder on the host, while the GPU reads the real token from the previous
   step's output on the device. A sequence that samples EOS is found one step late; that step's
   token is dropped.
-Owns: the step in flight and the cancel path for it. Used by llm_engine on a single rank.
+Owns: the step in flight and the cancel path for it. Attaches at the core's step loop
+(`LLMEngine.loop`, with `overlap_scheduling=True` on a single rank).
 """
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from nanoserve.model_runner import ModelRunner, StepOutput
-from nanoserve.scheduler import Batch, Scheduler
+from nanoserve.model_runner import StepOutput
+from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanoserve.llm_engine import LLMEngine
 
 PENDING = -1  # token id placeholder: sampled by a step still running on the GPU
 
 
 class OverlapLoop:
-    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
-        self.scheduler, self.model_runner = scheduler, model_runner
+    def __init__(self, engine: "LLMEngine") -> None:
+        self.engine, self.scheduler = engine, engine.scheduler
+        self.model_runner = engine.model_runner
         # the next step: scheduled, then launched (its StepOutput set), not yet postprocessed
         self.ahead: tuple[Batch, StepOutput | None] | None = None
 
@@ -43,8 +50,10 @@ class OverlapLoop:
         wait; a decode after a decode when no prompt waits and every sequence has a free slot.
         It is in self.ahead before it launches, so step() cancels it if the launch fails."""
         if batch.is_prefill:
-            if self.scheduler.waiting:
-                self._launch_prefill(batch)
+            # a prompt chunked in `batch` goes on after the chunk in flight
+            if self.scheduler.waiting and (nxt := self.scheduler.schedule_prefill(batch)).seqs:
+                self.ahead = nxt, None  # scheduled: step() cancels it if the launch fails
+                self.ahead = nxt, self.model_runner.run(nxt)
         elif (nxt := self._schedule_decode(batch)) is not None:
             rows = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
             index = np.array([rows[seq.seq_id] for seq in nxt.seqs], np.int64)  # (S,)
@@ -52,19 +61,6 @@ class OverlapLoop:
             # the input tokens are batch's samples, read on the device
             input_ids = out.token_ids[self.model_runner.to_device(index)]
             self.ahead = nxt, self.model_runner.run(nxt, input_ids=input_ids)
-
-    def _launch_prefill(self, batch: Batch) -> None:
-        head = self.scheduler.waiting[0]
-        # a prompt chunked in `batch`: its next chunk starts after the one in flight
-        in_flight = batch.num_new_tokens[-1] if batch.seqs[-1] is head else 0
-        head.num_computed_tokens += in_flight  # until nxt is prepared; postprocess counts it
-        try:
-            nxt = self.scheduler.schedule_prefill()
-            if nxt.seqs:
-                self.ahead = nxt, None  # as in _launch_next
-                self.ahead = nxt, self.model_runner.run(nxt)
-        finally:  # before step() cancels a failed nxt: cancelling reads the count
-            head.num_computed_tokens -= in_flight
 
     def _schedule_decode(self, batch: Batch) -> Batch | None:
         if self.scheduler.waiting:
@@ -82,17 +78,16 @@ class OverlapLoop:
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
         token_ids = out.tolist()
-        logprobs = out.logprob_dicts(token_ids)
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING and not seq.is_finished:
-                seq.token_ids.pop()  # the real token (postprocess appends it) replaces it
+                seq.pop_token()  # the real token (postprocess appends it) replaces it
         if any(seq.is_finished for seq in batch.seqs):  # finished a step ago (EOS seen late):
             kept = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]  # drop its token
             batch = Batch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
-                          batch.is_prefill)
+                          batch.is_prefill, [batch.starts[i] for i in kept if batch.starts])
+            out = out.select(kept)
             token_ids = [token_ids[i] for i in kept]
-            logprobs = logprobs and [logprobs[i] for i in kept]
-        return self.scheduler.postprocess(batch, token_ids, logprobs)
+        return self.engine.postprocess(batch, out, token_ids)
 
     def finish(self) -> None:
         """Postprocess the step in flight (launched for sequences that turned out finished)."""
@@ -108,5 +103,10 @@ class OverlapLoop:
             (batch, _), self.ahead = self.ahead, None
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING:
-                seq.token_ids.pop()
+                seq.pop_token()
         self.scheduler.cancel(batch)
+
+
+def attach(engine: "LLMEngine") -> OverlapLoop:
+    engine.loop = OverlapLoop(engine)
+    return engine.loop

@@ -1,0 +1,66 @@
+"""Stop strings: `SamplingParams(stop=[...])` ends a request where one of its strings first
+appears in the text, and leaves the string out.
+
+Stop strings are matched on the text, not on tokens: a string may span several tokens, and a
+token may hold more than the string. So a request with stop strings has its text decoded step by
+step (a StopStringStream, the core's TextStream that also searches), and while a stop string may
+still be completing, its length minus one characters are held back from a stream. Attaches at the
+core's "a step's outputs" point: after each step it finishes the requests whose text stopped.
+"""
+from transformers import PreTrainedTokenizerFast
+
+from nanoserve.llm_engine import LLMEngine, StepObserver, TextStream
+from nanoserve.scheduler import Batch
+from nanoserve.sequence import Sequence
+
+
+class StopStringStream(TextStream):
+    """A TextStream cut at its first stop string."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, stop: tuple[str, ...],
+                 streamed: bool) -> None:
+        super().__init__(tokenizer, streamed)
+        self.stop, self.stopped = stop, False  # whether a stop string cut the text
+
+    def update(self, token_ids: list[int], finished: bool) -> None:
+        if self.stopped:
+            return
+        searched = len(self.text)
+        super().update(token_ids, finished)
+        # only the new text, and the last len(s) - 1 characters before it, can hold a new match
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched - len(s) + 1)))
+                >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+
+    def num_held(self, finished: bool) -> int:
+        return 0 if finished or self.stopped else max(map(len, self.stop)) - 1
+
+
+class StopStrings(StepObserver):
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def stream(self, seq: Sequence, streamed: bool) -> StopStringStream:
+        return StopStringStream(self.engine.tokenizer, seq.params.stop, streamed)
+
+    def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
+        """Decode the new tokens of the batch's stop-string requests; finish those that met a
+        stop string. Returns them."""
+        stopped = []
+        for seq in batch.seqs:
+            text = self.engine.streams.get(seq.seq_id)
+            if not isinstance(text, StopStringStream):
+                continue
+            text.update(seq.output_token_ids, seq.is_finished)
+            if text.stopped and not seq.is_finished:
+                self.engine.scheduler.abort([seq], reason="stop")
+                stopped.append(seq)
+            if text.stopped:  # also when the step ended it otherwise (max_tokens, say)
+                seq.finish_reason = "stop"
+        return stopped
+
+
+def attach(engine: LLMEngine) -> StopStrings:
+    engine.observers.insert(0, stop := StopStrings(engine))  # before the trace and timeline
+    return stop

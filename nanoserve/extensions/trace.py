@@ -1,0 +1,63 @@
+"""The trace: one log line per engine step (`trace=True` or NANOSERVE_TRACE=1).
+
+Each line says what the step was (prefill or decode, sequences, tokens, milliseconds since the
+last line) and what it did to the KV blocks (allocated, freed, prefix-cache hits), preemptions
+and finished requests. Reads only Scheduler.stats(), the read-only view the timeline and the
+server's metrics share. Attaches at the core's "a step's outputs" point (a StepObserver).
+"""
+import logging
+import sys
+import time
+
+from tqdm.auto import tqdm
+
+from nanoserve.llm_engine import LLMEngine, StepObserver
+from nanoserve.scheduler import Batch
+from nanoserve.sequence import Sequence
+
+logger = logging.getLogger("nanoserve")
+
+
+class TqdmHandler(logging.Handler):
+    """Prints log records with tqdm.write, which clears a progress bar's line first and draws the
+    bar again below: a trace line never shares a line with the bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def show_trace() -> None:
+    """Let the trace through without the program configuring logging: the `nanoserve` logger
+    passes INFO unless the program set its level, and prints to stderr through a TqdmHandler
+    unless a handler of the program's (or pytest's) would already print it."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():
+        handler = TqdmHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+class Trace(StepObserver):
+    def __init__(self, engine: LLMEngine) -> None:
+        self.scheduler = engine.scheduler
+        self.last, self.last_time = self.scheduler.stats(), time.perf_counter()
+
+    def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
+        now, stats = time.perf_counter(), self.scheduler.stats()
+        d = stats._replace(**{k: getattr(stats, k) - getattr(self.last, k)  # this step's counts
+                              for k in ("num_preemptions", "num_allocated", "num_freed",
+                                        "num_hits")})
+        logger.info(f"{'prefill' if batch.is_prefill else 'decode':7s} seqs={len(batch.seqs):<3d} "
+                    f"tokens={sum(batch.num_new_tokens):<5d} {(now - self.last_time) * 1e3:6.1f} ms"
+                    f" | blocks: +{d.num_allocated} allocated -{d.num_freed} freed {d.num_hits} "
+                    f"hit | preempted={d.num_preemptions} finished={len(finished)} "
+                    f"free={stats.num_free_blocks}/{stats.num_blocks}")
+        self.last, self.last_time = stats, now
+        return []
+
+
+def attach(engine: LLMEngine) -> Trace:
+    show_trace()  # after start-up, whose INFO lines it skips
+    engine.observers.append(trace := Trace(engine))
+    return trace
