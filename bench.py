@@ -210,7 +210,7 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
     starts records its first timed run for --timeline (the recording's host time is in that run;
     the warm-up and the repeats of a short workload run without it)."""
     from nanoserve import LLM
-    from nanoserve.timeline import Timeline
+    from nanoserve.extensions.timeline import Timeline
     timeline_path = vars(args).pop("timeline", None)  # taken: later nanoserve runs record nothing
     max_len = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
     recorded: list[Timeline] = []
@@ -219,11 +219,10 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
              device=device, kv_cache_dtype=kv_cache_dtype) as llm:
         def generate(w: Workload) -> list[int]:
             if timeline_path and w is wl:  # the first timed run (repeats are relabeled copies)
-                llm.timeline = Timeline(llm.config, llm.scheduler)
+                llm.observers.append(Timeline(llm.config, llm.scheduler))
             outs = llm.generate(w.prompts, nanoserve_params(w), use_tqdm=False)
-            if llm.timeline is not None:  # one run recorded: the engine stops recording
-                recorded.append(llm.timeline)
-                llm.timeline = None
+            if llm.observers:  # one run recorded: the engine stops recording
+                recorded.append(llm.observers.pop())
             return [len(o["token_ids"]) for o in outs]
         yield generate
     if recorded:  # drawn after the timing

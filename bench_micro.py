@@ -1,9 +1,10 @@
 """bench_micro.py: the GPU micro-benchmarks behind docs/performance.md's kernel figures.
 
-  decode kernel   paged_decode at Qwen3-0.6B's heads (16 q / 8 KV, head dim 128, bf16, block 16),
-                  context 1024: bytes it must read (K and V of every sequence, q, out) over its
-                  time, as a fraction of the HBM bandwidth. Inputs rotate through more memory than
-                  L2 holds, so every read is a real HBM read.
+  decode kernel   the core's paged_decode and the cascade extension's cascade_decode (split-KV,
+                  what the engine runs on the GPU by default) at Qwen3-0.6B's heads (16 q / 8 KV,
+                  head dim 128, bf16, block 16), context 1024: bytes each must read (K and V of
+                  every sequence, q, out) over its time, as a fraction of the HBM bandwidth. Inputs
+                  rotate through more memory than L2 holds, so every read is a real HBM read.
   sampler         kernels.sample (the two-level race) over Qwen's 151,936 bf16 logits per row,
                   GPU time from CUDA-graph replays (no launch time).
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
@@ -14,17 +15,20 @@
 """
 import argparse
 import json
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from bench import HBM_BANDWIDTH, QWEN3_0_6B, resolve_model_dir
 from nanoserve import LLM, SamplingParams
+from nanoserve.extensions.cascade import cascade_decode
 from nanoserve.kernels import paged_decode, sample
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 CONTEXT = 1024
+DECODE_KERNELS = {"paged_decode": paged_decode, "cascade_decode": cascade_decode}
 L2_FLUSH_BYTES = 256 << 20  # rotate inputs through more than the 50-60 MB L2
 
 
@@ -43,7 +47,7 @@ def time_cuda(fn, iters: int = 20) -> float:
     return float(np.median(times))
 
 
-def decode_kernel(batch: int, bandwidth: float) -> dict:
+def decode_kernel(name: str, decode_fn: Callable, batch: int, bandwidth: float) -> dict:
     H, Hkv, D, B = 16, 8, 128, 16
     blocks_per_seq = CONTEXT // B
     kv_bytes = 2 * batch * CONTEXT * Hkv * D * 2
@@ -62,13 +66,13 @@ def decode_kernel(batch: int, bandwidth: float) -> dict:
     def call() -> None:  # a different copy each call, so nothing is served from L2
         q, k, v, tables = sets[calls[0] % copies]
         calls[0] += 1
-        paged_decode(q, k, v, tables, lens, D ** -0.5)
+        decode_fn(q, k, v, tables, lens, D ** -0.5)
 
     seconds = time_cuda(call, iters=50)
     bytes_read = kv_bytes + 2 * batch * H * D * 2  # K + V + q + out
     bytes_per_s = bytes_read / seconds
-    return {"batch": batch, "us": seconds * 1e6, "bytes": bytes_read, "TB/s": bytes_per_s / 1e12,
-            "fraction_of_bandwidth": bytes_per_s / bandwidth}
+    return {"kernel": name, "batch": batch, "us": seconds * 1e6, "bytes": bytes_read,
+            "TB/s": bytes_per_s / 1e12, "fraction_of_bandwidth": bytes_per_s / bandwidth}
 
 
 def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
@@ -113,11 +117,13 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     bandwidth = args.bandwidth or next(bw for key, bw in HBM_BANDWIDTH if key in name)
     result = {"gpu": name, "bandwidth": bandwidth, "kernel": [], "step": []}
-    for batch in (256, 32, 1):
-        r = decode_kernel(batch, bandwidth)
-        result["kernel"].append(r)
-        print(f"paged_decode batch {batch:3d}: {r['us']:8.1f} us  {r['TB/s']:.2f} TB/s  "
-              f"{100 * r['fraction_of_bandwidth']:.0f}% of {bandwidth / 1e12:.2f} TB/s", flush=True)
+    for kernel, decode_fn in DECODE_KERNELS.items():
+        for batch in (256, 32, 1):
+            r = decode_kernel(kernel, decode_fn, batch, bandwidth)
+            result["kernel"].append(r)
+            print(f"{kernel:14s} batch {batch:3d}: {r['us']:8.1f} us  {r['TB/s']:.2f} TB/s  "
+                  f"{100 * r['fraction_of_bandwidth']:.0f}% of {bandwidth / 1e12:.2f} TB/s",
+                  flush=True)
     result["sampler"] = [{"batch": b, "us": sampler(b) * 1e6} for b in (1, 32, 256)]
     for r in result["sampler"]:
         print(f"sampler batch {r['batch']:3d}: {r['us']:6.1f} us", flush=True)

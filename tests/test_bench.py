@@ -229,7 +229,7 @@ def test_engine_smoke_on_tiny_model(tiny_model, engine):
 
 def test_timeline_records_the_first_timed_run_only(tiny_model, tmp_path, monkeypatch):
     """--timeline draws one timed run: not the warm-up, nor the repeats of a short workload."""
-    from nanoserve.timeline import Timeline
+    from nanoserve.extensions.timeline import Timeline
     drawn = []
     monkeypatch.setattr(Timeline, "plot", lambda self, path: drawn.append((self, path)))
     wl = bench.make_w2(num_seqs=3, prefix_len=16, min_own=4, max_own=8, output_len=4)

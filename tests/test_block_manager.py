@@ -32,7 +32,7 @@ def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
     blocks = [(b.block_id, b.ref_count, b.hash, list(b.token_ids), b.computed) for b in bm.blocks]
     seq_state = [(list(s.block_table), s.num_computed_tokens, s.num_cached_tokens,
                   s.num_hashed_blocks, list(s.token_ids), s.status) for s in seqs]
-    return (list(bm.free_block_ids), blocks, dict(bm.hash_to_block_id), dict(bm.stats), seq_state)
+    return (list(bm.free_block_ids), blocks, dict(bm.hash_to_block_id), (bm.num_allocated, bm.num_freed, bm.num_hits), seq_state)
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
@@ -127,12 +127,12 @@ def test_hit_on_full_cached_prefix():
     a = make_seq(list(range(13)))  # 3 full blocks + 1
     assert bm.allocate(a)
     compute(bm, a)
-    hits_before = bm.stats["hit"]
+    hits_before = bm.num_hits
     b = make_seq(list(range(12)) + [77, 78, 79])
     assert bm.allocate(b)
     assert b.num_cached_tokens == 12 and b.num_computed_tokens == 12
     assert b.num_hashed_blocks == 3
-    assert bm.stats["hit"] - hits_before == 3
+    assert bm.num_hits - hits_before == 3
     # a prompt that diverges inside the second block only reuses the first
     c = make_seq(list(range(6)) + [50] * 7)
     assert bm.allocate(c)
@@ -313,7 +313,7 @@ def test_prefix_caching_disabled_gives_no_hits():
     assert bm.allocate(b)
     assert b.num_cached_tokens == b.num_computed_tokens == 0
     assert set(a.block_table).isdisjoint(b.block_table)
-    assert bm.stats["hit"] == 0
+    assert bm.num_hits == 0
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])

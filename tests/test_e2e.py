@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.overlap import PENDING
+from nanoserve.extensions.overlap import PENDING
 from nanoserve.weights import default_model_dir
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ def test_prefix_caching_on_and_off_agree(model_dir, prompts):
         with LLM(model_dir, enable_prefix_caching=caching, max_model_len=256) as llm:
             first = llm.generate(shared[:1], GREEDY, use_tqdm=False)  # computes the prefix once
             rest = llm.generate(shared, GREEDY, use_tqdm=False)  # every prompt can hit it
-            results[caching] = (first, rest, llm.scheduler.block_manager.stats["hit"])
+            results[caching] = (first, rest, llm.scheduler.stats().num_hits)
     assert results[True][2] >= 2 * len(shared)  # each of the 8 prompts hit the 2 system blocks
     assert results[False][2] == 0
     on, off = results[True][1], results[False][1]
@@ -273,7 +273,7 @@ def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, 
             return run(batch, input_ids)
         llm.model_runner.run = flaky_run
         failures = 0
-        while llm.scheduler.has_unfinished() or llm.overlap.ahead:
+        while llm.scheduler.has_unfinished() or llm.loop.ahead:
             try:
                 llm.step()
             except RuntimeError:
@@ -297,7 +297,7 @@ def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_ou
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
             llm.generate(prompts[:2], params, use_tqdm=False)
-        assert calls[-1] and llm.overlap.ahead is None and PENDING not in other.token_ids
+        assert calls[-1] and llm.loop.ahead is None and PENDING not in other.token_ids
         assert list(llm.scheduler.running) == [other] and not llm.scheduler.waiting
         llm.model_runner.run = run
         outs = llm.generate(prompts[:2], params, use_tqdm=False)

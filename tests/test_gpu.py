@@ -149,7 +149,7 @@ def test_prefix_hit_matches_no_hit(model_dir):
                  enable_prefix_caching=caching) as llm:
             record_logprobs(llm, shared[:1])  # computes and caches the shared prefix
             results[caching] = record_logprobs(llm, shared[1:])
-            hits = llm.scheduler.block_manager.stats["hit"]
+            hits = llm.scheduler.stats().num_hits
         assert (hits >= 6 * 40) if caching else hits == 0
     assert_logprobs_close(*results[True], *results[False], tol=SAME_ENGINE_TOL)
 

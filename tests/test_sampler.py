@@ -1,7 +1,7 @@
 """The sampler alone: greedy rows, the Gumbel race's draw from softmax(logits / T), top-k and top-p
 masks, and keys that decide a row's draw whatever the other rows. On a GPU the draw is the Triton
-kernels (the `gpu` tests), on the CPU their torch reference. Chunks are cut to 16 logits here, so
-small vocabularies span several chunks."""
+kernels (the `gpu` tests), on the CPU sampling.sample_ref (torch's own noise). Chunks are cut
+to 16 logits here, so small vocabularies span several chunks on the GPU."""
 import pytest
 import torch
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 
 from nanoserve.config import Config, SamplingParams, cdiv
-from nanoserve.overlap import PENDING, OverlapLoop
+from nanoserve.extensions.overlap import PENDING, OverlapLoop
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
@@ -325,14 +325,16 @@ class FakeOutput:
 
     def __init__(self, tokens: list[int], failed: bool) -> None:
         self.token_ids, self.failed = torch.tensor(tokens or [0]), failed
+        self.extras = {}  # no sampling hook adds anything
+
+    def select(self, rows: list[int]) -> "FakeOutput":
+        return FakeOutput(self.token_ids[rows].tolist(), self.failed)
 
     def tolist(self) -> list[int]:
         if self.failed:
             raise RuntimeError("simulated failure")
         return self.token_ids.tolist()
 
-    def logprob_dicts(self, token_ids: list[int]) -> None:
-        return None  # no request asks for logprobs
 
 
 class FakeRunner:
@@ -351,8 +353,7 @@ class FakeRunner:
     def run(self, batch: Batch, input_ids: torch.Tensor | None = None) -> FakeOutput:
         if self.check:
             self.check(batch)
-        starts = [seq.num_computed_tokens if batch.is_prefill else seq.num_tokens - 1
-                  for seq in batch.seqs]
+        starts = batch.starts if batch.is_prefill else [seq.num_tokens - 1 for seq in batch.seqs]
         spans = list(zip(batch.seqs, starts, batch.num_new_tokens))
         self.launches.append([(seq.seq_id, start, n) for seq, start, n in spans])
         self.num_chunks += any(start + n < seq.num_tokens for seq, start, n in spans)
@@ -384,8 +385,8 @@ def check_state(sched: Scheduler, added: list[Sequence], batch: Batch, budget: i
         assert sum(batch.num_new_tokens) <= budget
     else:
         assert batch.num_new_tokens == [1] * len(batch.seqs)
-    for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-        start = seq.num_computed_tokens if batch.is_prefill else seq.num_tokens - 1
+    for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start = batch.starts[i] if batch.is_prefill else seq.num_tokens - 1
         assert num_new >= 1 and start + num_new <= seq.num_tokens
         assert len(seq.block_table) * BS >= start + num_new  # slots for every new K/V
     waiting, running = set(sched.waiting), set(sched.running)

@@ -46,7 +46,7 @@ def stream_all(llm, prompts, params) -> dict:
 def test_text_stream_adds_up_to_the_decoded_text():
     tok = AutoTokenizer.from_pretrained(default_model_dir())
     for text in ["Hello world, leading  spaces", "naïve café 東京タワー 🙂🚀 ok", " \n\tx"]:
-        ids, stream, parts = tok.encode(text), TextStream(tok, (), True), []
+        ids, stream, parts = tok.encode(text), TextStream(tok, True), []
         for n in range(1, len(ids) + 1):
             stream.update(ids[:n], n == len(ids))
             parts.append(stream.delta(n == len(ids)))
@@ -54,7 +54,7 @@ def test_text_stream_adds_up_to_the_decoded_text():
         assert "\ufffd" not in "".join(parts[:-1])  # never half a character
     # a request that ends inside a character ends with U+FFFD, once, however often it is seen
     ids = tok.encode("東")[:-1]
-    stream = TextStream(tok, (), True)
+    stream = TextStream(tok, True)
     for _ in range(2):
         stream.update(ids, finished=True)
     assert stream.text == tok.decode(ids) == "\ufffd"

@@ -16,10 +16,10 @@ import pytest
 from test_scheduler import BS, EOS, FakeRunner, make_seq, model_dir, plain_step, prompt  # noqa: F401
 
 from nanoserve.config import Config
-from nanoserve.overlap import OverlapLoop
+from nanoserve.extensions.overlap import OverlapLoop
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.timeline import (
+from nanoserve.extensions.timeline import (
     CHUNK,
     DECODE,
     IDLE,
@@ -64,13 +64,13 @@ class Oracle:
             self.allocated += [seq] if ok else []
             return ok
 
-        def schedule_prefill() -> Batch:
+        def schedule_prefill(in_flight: Batch | None = None) -> Batch:
             self.allocated = []
-            batch = prefill()
-            # num_computed_tokens is where each chunk starts (overlap counts a chunk in flight)
+            batch = prefill(in_flight)
+            # batch.starts is where each chunk starts (overlap counts a chunk in flight)
             cells = {seq.seq_id: RECOMPUTE if seq.seq_id in self.ever_preempted else
-                     PREFILL if seq.num_computed_tokens + n == seq.num_tokens else CHUNK
-                     for seq, n in zip(batch.seqs, batch.num_new_tokens)}
+                     PREFILL if start + n == seq.num_tokens else CHUNK
+                     for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens)}
             hits = {seq.seq_id: seq.num_cached_tokens for seq in self.allocated
                     if seq.num_cached_tokens}
             self.log[id(batch)] = Scheduled(batch, cells, hits)
@@ -175,7 +175,7 @@ def test_an_aborted_request_ends_where_it_was_aborted(model_dir):  # noqa: F811
     for _ in range(3):
         timeline.record(*reversed(plain_step(sched, runner)))
     sched.abort([aborted])  # as LLMEngine.abort_request does, between steps
-    timeline.abort(aborted)
+    timeline.on_abort(aborted)
     while sched.has_unfinished():
         timeline.record(*reversed(plain_step(sched, runner)))
     rows = {row.seq_id: row for row in timeline.rows.values()}

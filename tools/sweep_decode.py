@@ -1,5 +1,5 @@
-"""sweep_decode.py: paged_decode's launch settings and batch order on ragged contexts (a developer
-tool, GPU).
+"""sweep_decode.py: cascade_decode's launch settings and batch order on ragged contexts (a
+developer tool, GPU; nanoserve/extensions/cascade.py holds the settings).
 
 For each case (batch S, contexts drawn uniformly from lo-hi tokens, the batch unsorted or sorted
 longest first, as the scheduler orders it), and each (tile tokens, pipeline stages, warps) setting,
@@ -21,16 +21,17 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanoserve.kernels import decode  # noqa: E402
+from nanoserve.extensions import cascade  # noqa: E402
 
 H, Hkv, D, B = 16, 8, 128, 16
 BANDWIDTH = 3.35e12  # H100 SXM HBM3, bytes/s
 CASES = [(256, 100, 2000), (256, 1024, 1024), (128, 600, 2048), (64, 800, 2048)]  # (S, lo, hi)
-NANOSERVE = (decode.DECODE_TILE_TOKENS, decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS)
+NANOSERVE = (cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES, cascade.DECODE_NUM_WARPS)
 CONFIGS = [NANOSERVE] + [c for c in [(64, 3, 4), (64, 2, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4),
                                      (32, 2, 4), (128, 2, 4), (128, 2, 8), (64, 3, 8), (32, 3, 2)]
                          if c != NANOSERVE]  # (tile tokens, stages, warps); nanoserve's first
-NANOSERVE_FP8 = (decode.DECODE_TILE_TOKENS_FP8, decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS)
+NANOSERVE_FP8 = (cascade.DECODE_TILE_TOKENS_FP8, cascade.DECODE_NUM_STAGES,
+                 cascade.DECODE_NUM_WARPS)
 CONFIGS_FP8 = [NANOSERVE_FP8] + [c for c in [(64, 2, 4), (128, 2, 4), (64, 3, 4), (128, 3, 4)]
                                  if c != NANOSERVE_FP8]  # 8 warps or 256 rows were far slower
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -81,21 +82,21 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
     for S, lo, hi in CASES:
         for sort in sorts:
             q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks, k.element_size())
-            default = decode.default_num_splits(S, Hkv, tables.shape[1], q.device)
+            default = cascade.default_num_splits(S, Hkv, tables.shape[1], q.device)
             for splits in sorted({default, 1, 2}):
                 for tile, stages, warps in configs if splits == default else configs[:1]:
-                    # paged_decode reads its launch settings from these constants at each call
-                    setattr(decode, tile_name, tile)
-                    decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS = stages, warps
-                    t = graph_time(functools.partial(decode.paged_decode, q, k, v, tables, lens,
-                                                     D ** -0.5, splits))
+                    # cascade_decode reads its launch settings from these constants at each call
+                    setattr(cascade, tile_name, tile)
+                    cascade.DECODE_NUM_STAGES, cascade.DECODE_NUM_WARPS = stages, warps
+                    t = graph_time(functools.partial(cascade.cascade_decode, q, k, v, tables,
+                                                     lens, D ** -0.5, num_splits=splits))
                     row = dict(cache=cache, S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits,
                                tile=tile, stages=stages, warps=warps, us=round(t * 1e6, 1),
                                bw=round(nbytes / t / BANDWIDTH, 3))
                     print(row, flush=True)
                     results.append(row)
-    setattr(decode, tile_name, configs[0][0])
-    decode.DECODE_NUM_STAGES, decode.DECODE_NUM_WARPS = configs[0][1:]
+    setattr(cascade, tile_name, configs[0][0])
+    cascade.DECODE_NUM_STAGES, cascade.DECODE_NUM_WARPS = configs[0][1:]
 
 
 def main() -> None:

@@ -12,24 +12,26 @@ calls in another order: launch step N+1, then wait for step N's tokens and postp
 Owns: the step in flight and the cancel path for it. Attaches at the core's step loop
 (`LLMEngine.loop`, with `overlap_scheduling=True` on a single rank).
 """
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
-from nanoserve.model_runner import StepOutput
-from nanoserve.scheduler import Batch
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.model_runner import ModelRunner, StepOutput
+from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
-
-if TYPE_CHECKING:
-    from nanoserve.llm_engine import LLMEngine
 
 PENDING = -1  # token id placeholder: sampled by a step still running on the GPU
 
 
 class OverlapLoop:
-    def __init__(self, engine: "LLMEngine") -> None:
-        self.engine, self.scheduler = engine, engine.scheduler
-        self.model_runner = engine.model_runner
+    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner,
+                 postprocess: Callable[[Batch, StepOutput, list[int]], list[Sequence]] | None
+                 = None) -> None:
+        """postprocess: the engine's (observers, then the scheduler); the scheduler's alone."""
+        self.scheduler, self.model_runner = scheduler, model_runner
+        self.postprocess = postprocess or (lambda batch, _, tokens: scheduler.postprocess(batch,
+                                                                                          tokens))
         # the next step: scheduled, then launched (its StepOutput set), not yet postprocessed
         self.ahead: tuple[Batch, StepOutput | None] | None = None
 
@@ -87,7 +89,7 @@ class OverlapLoop:
                           batch.is_prefill, [batch.starts[i] for i in kept if batch.starts])
             out = out.select(kept)
             token_ids = [token_ids[i] for i in kept]
-        return self.engine.postprocess(batch, out, token_ids)
+        return self.postprocess(batch, out, token_ids)
 
     def finish(self) -> None:
         """Postprocess the step in flight (launched for sequences that turned out finished)."""
@@ -107,6 +109,6 @@ class OverlapLoop:
         self.scheduler.cancel(batch)
 
 
-def attach(engine: "LLMEngine") -> OverlapLoop:
-    engine.loop = OverlapLoop(engine)
+def attach(engine: LLMEngine) -> OverlapLoop:
+    engine.loop = OverlapLoop(engine.scheduler, engine.model_runner, engine.postprocess)
     return engine.loop

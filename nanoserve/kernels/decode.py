@@ -1,11 +1,11 @@
-"""Paged decode, flash-decoding style, with cascade attention for a prefix every sequence shares.
+"""Paged decode: one new query token per sequence attends to its context in the paged KV cache.
 
-Owns the decode kernels, their split heuristics and launch settings, and paged_decode_ref, the
-plain-torch oracle they must match. Invariant: no host sync and a grid that depends only on shapes
-and arguments (never on context_lens or the prefix length), so the decode step can be captured in a
-CUDA graph. Called by layers.Attention; model_runner builds the block tables and counts the shared
-prefix. KV cache: (num_blocks, B, Hkv, D), slot = block_id * B + offset, in the model's dtype or
-fp8 e4m3 (dequantized in registers); GROUP = H // Hkv query heads share a KV head.
+Owns the core decode kernel and paged_decode_ref, the plain-torch oracle (and CPU path) it must
+match. Program (KV head, sequence) walks the sequence's blocks with an online softmax for the GROUP
+= H // Hkv query heads of that KV head, so K/V are read once per group. Invariant: no host sync, a
+grid from shapes only (CUDA-graph safe). Called by layers.Attention; extensions/cascade.py builds
+split-KV and cascade attention on _attend_tile. KV cache: (num_blocks, B, Hkv, D), slot = block_id
+* B + offset, in the model's dtype or fp8 e4m3 (dequantized in registers).
 """
 
 import torch
@@ -14,50 +14,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nanoserve.kernels.common import sm_count, use_triton
+from nanoserve.kernels.common import use_triton
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is one instruction on the GPU
-# Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
-DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks): more bytes in flight per program
-DECODE_TILE_TOKENS_FP8 = 128  # an fp8 cache's rows are half the bytes: twice the rows, same bytes
-# (except a sequence's own blocks after a shared prefix, often few: see paged_decode)
+TILE_TOKENS = 64  # K/V rows per loop step, whole blocks: more bytes in flight per program
+TILE_TOKENS_FP8 = 128  # an fp8 cache's rows are half the bytes: twice the rows, same bytes
 FP8_V_SCALE = 1.0  # an fp8 cache holds K and V as they are: per-tensor scale 1 (see model_runner)
-DECODE_NUM_STAGES = 2  # software pipelining: the next step's loads fly during this one
-DECODE_NUM_WARPS = 4  # more warps per program were slower
+NUM_STAGES = 2  # software pipelining: the next step's loads fly during this one (Triton's 4 warps)
 MIN_GROUP_ROWS = 16  # tl.dot (tensor cores) needs >= 16 rows: the GQA group is padded up to this
-SPLIT_PROGRAMS_PER_SM = 2  # split KV until the grid has this many programs per SM (~4 fit; 2 best)
-MAX_SPLITS = 16  # more splits were slower even at batch 1: each adds a partial to merge
-# Cascade prefix kernel (a shared prefix, see paged_decode): one program multiplies CASCADE_ROWS
-# query rows (sequences x the query heads of one KV head) by each prefix K/V tile, so the prefix is
-# read once per CASCADE_ROWS rows, not once per sequence; the rows also fill tl.dot's M dimension.
-CASCADE_ROWS = 64  # tuned together with CASCADE_NUM_WARPS: 32 or 128 rows were slower
-CASCADE_NUM_WARPS = 4
-CASCADE_NUM_STAGES = 3  # tuned apart from the decode kernel: its own tiles, its own best depth
-CASCADE_PROGRAMS_PER_SM = 1  # prefix splits fill one wave of (KV head, row tile, split) programs
-MERGE_NUM_WARPS = 2  # a merge reads only a few partials per row: more warps were slower
-
-
-# --------------------------------------------------------------------------------------------------
-# Program (sequence, KV head, split) walks its share of the sequence's blocks with an online softmax
-# for all GROUP query heads of that KV head (K/V read once per group), and writes a partial output
-# plus its log-sum-exp; a second kernel merges the splits by their LSEs.
-# Cascade: a first kernel attends the rows of many sequences to the shared prefix blocks at once (a
-# real matrix product) and writes its partials; the per-sequence kernel then skips those blocks and,
-# when it has one split, folds the prefix partials into its own state (else the merge kernel does).
-# --------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _split_block_range(context_len, first_block, BLOCK_SIZE: tl.constexpr):
-    # The split's share of blocks [first_block, end) is computed here from context_len, so the grid
-    # stays fixed (CUDA-graph safe) and the splits always share the real work evenly; a split past
-    # the end gets nothing and writes LSE = -inf. first_block > 0 skips a shared prefix that the
-    # cascade prefix kernel reads.
-    split, num_splits = tl.program_id(2), tl.num_programs(2)  # grid axis 2 is the split
-    num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
-    first_block = tl.minimum(first_block, num_blocks)  # a padded row (context_len 0) has no prefix
-    blocks_per_split = tl.cdiv(num_blocks - first_block, num_splits)
-    block_start = first_block + split * blocks_per_split
-    return block_start, tl.minimum(block_start + blocks_per_split, num_blocks)  # [start, end)
 
 
 @triton.jit
@@ -92,254 +56,72 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, v
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (ROWS, D) fp32 accumulation
     return m_new, l_i, acc
 
-
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         num_common_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale,
-                         first_slot, num_slots, q_stride_s, q_stride_h, cache_stride_block,
+                         out_ptr, qk_scale, v_scale, q_stride_s, q_stride_h, cache_stride_block,
                          cache_stride_token, block_tables_stride, GROUP: tl.constexpr,
                          GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCKS_PER_ITER: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         CASCADE: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
-    # KV heads vary fastest in the grid: the GPU starts programs in that order, so a batch sorted
-    # longest context first (the scheduler's order) starts its longest work first; SMs end together
-    kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    TILE: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER  # tokens per step: whole blocks, no straddle
+                         TILE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # KV heads vary fastest in the grid: a sequence's programs run together, and a batch sorted
+    # longest context first (the scheduler's order) starts its longest work first
+    kv_head, seq = tl.program_id(0), tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    # with CASCADE the first P blocks are the shared prefix: _cascade_prefix_kernel reads them
-    first_block = tl.load(num_common_ptr) if CASCADE else 0
-    block_start, block_end = _split_block_range(context_len, first_block, BLOCK_SIZE)
     offs_g, offs_d, offs_t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
     heads = kv_head * GROUP + offs_g  # (GROUP_PAD,) query heads of this KV head: one K/V read
     # Padded to >= 16 rows so both products run on tensor cores (tl.dot); the extra rows are zeros
-    # and the math is free in a memory-bound kernel, cheaper than a broadcast-multiply-sum, whose
-    # cross-thread reductions cost more than the wasted rows.
-    q = tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
-                mask=offs_g[:, None] < GROUP, other=0.0)  # (GROUP_PAD, D)
-    q = _dot_dtype(q, k_cache_ptr)
+    # and their math is free in a memory-bound kernel.
+    q = _dot_dtype(tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
+                           mask=offs_g[:, None] < GROUP, other=0.0), k_cache_ptr)  # (GROUP_PAD, D)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
-    for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
-        seq_block = block + offs_t // BLOCK_SIZE  # (TILE,) the sequence's block index of each row
-        in_split = seq_block < block_end  # never read block-table entries past the sequence's end
-        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + seq_block, mask=in_split,
-                           other=0)  # (TILE,)
-        offset = offs_t % BLOCK_SIZE
-        valid = in_split & (seq_block * BLOCK_SIZE + offset < context_len)  # ragged last block
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset,
-                                     valid, kv_head * HEAD_DIM, offs_d, cache_stride_block,
-                                     cache_stride_token, qk_scale, v_scale)
-    q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
-    if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
-        m_i, l_i, acc = _fold_partials(m_i, l_i, acc, q_rows, offs_g < GROUP, offs_d, first_slot,
-                                       num_slots, part_out_ptr, part_lse_ptr, HEAD_DIM)
-    _store_decode_partial(acc, m_i, l_i, q_rows, offs_g < GROUP, offs_d, first_slot + split,
-                          num_slots, out_ptr, part_out_ptr, part_lse_ptr, HEAD_DIM, SINGLE_SPLIT)
-
-
-@triton.jit
-def _fold_partials(m_i, l_i, acc, q_rows, row_mask, offs_d, num_partials, num_slots, part_out_ptr,
-                   part_lse_ptr, HEAD_DIM: tl.constexpr):
-    """Merge the first num_partials partials of rows q_rows (the cascade prefix kernel's) into the
-    online-softmax state (m_i, l_i, acc); returns the new state."""
-    for slot in range(0, num_partials):  # 0: no prefix
-        # A partial (out, lse) is the online-softmax state m = lse, l = 1, acc = out: merged as a
-        # tile. An empty partial (LSE -inf) never wrote its output; both empty: weights 0.
-        row = q_rows * num_slots + slot  # (ROWS,) into part_lse (S, H, slots)
-        lse = tl.load(part_lse_ptr + row, mask=row_mask, other=float("-inf"))
-        out = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=(lse > float("-inf"))[:, None], other=0.0)  # (ROWS, D)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: not exp2(nan)
-        alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
-        m_i, l_i, acc = m_new, l_i * alpha + beta, acc * alpha[:, None] + out * beta[:, None]
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _store_decode_partial(acc, m_i, l_i, q_rows, row_mask, offs_d, slot, num_slots, out_ptr,
-                          part_out_ptr, part_lse_ptr, HEAD_DIM: tl.constexpr,
-                          SINGLE_SPLIT: tl.constexpr):
-    # q_rows (ROWS,) = seq * H + head: rows of out (S * H, D); row_mask drops padded rows
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty split / context_len 0: zeros, not NaN
-    if SINGLE_SPLIT:  # one split: the partial is the answer, skip the merge launch
-        dst = out_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :]  # out (S, H, D)
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-    else:
-        row = q_rows * num_slots + slot  # (ROWS,) into part_lse (S, H, slots)
-        # an empty partial writes only its LSE: the merge never reads its output (cheap early-outs)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=(row_mask & (l_i > 0))[:, None])
-        lse = m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))  # log-sum-exp of the split's scores (log2)
-        lse = tl.where(l_i > 0, lse, float("-inf"))  # no tokens: -inf, weight 0 in the merge
-        tl.store(part_lse_ptr + row, lse, mask=row_mask)
-
-
-@triton.jit
-def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                           num_common_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_seqs,
-                           num_slots, q_stride_s, q_stride_h, cache_stride_block,
-                           cache_stride_token, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                           BLOCKS_PER_ITER: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # Program (KV head, row tile, prefix split): ROWS query rows of many sequences against one split
-    # of the shared prefix, so each prefix K/V tile is loaded once per ROWS rows, not per sequence.
-    kv_head, row_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    prefix_len = tl.load(num_common_ptr) * BLOCK_SIZE  # P full blocks, read on device: no host sync
-    block_start, block_end = _split_block_range(prefix_len, 0, BLOCK_SIZE)
-    offs_r = row_tile * ROWS + tl.arange(0, ROWS)  # (ROWS,) sequence-major: row = seq * GROUP + g
-    seq, heads = offs_r // GROUP, kv_head * GROUP + offs_r % GROUP  # (ROWS,) sequence, query head
-    offs_d, offs_t = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)  # (TILE,)
-    row_mask = seq < num_seqs
-    load_q = seq < tl.where(block_start < block_end, num_seqs, 0)  # an idle split: no q loads
-    q = tl.load(q_ptr + seq[:, None] * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
-                mask=load_q[:, None], other=0.0)  # (ROWS, D)
-    q = _dot_dtype(q, k_cache_ptr)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
-        seq_block = block + offs_t // BLOCK_SIZE  # (TILE,)
-        valid = seq_block < block_end  # prefix blocks are full: only the split's end masks
-        # row 0 of the block tables: every row has the same prefix
-        block_id = tl.load(block_tables_ptr + seq_block, mask=valid, other=0)
+    # TILE tokens per step, each looking up its own block; with TILE a multiple of B (the default
+    # tiles, B <= 64) a step reads whole blocks
+    for start in tl.range(0, context_len, TILE, num_stages=NUM_STAGES):
+        token = start + offs_t  # (TILE,) positions in the sequence
+        valid = token < context_len  # the ragged last block; never read table entries past it
+        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + token // BLOCK_SIZE,
+                           mask=valid, other=0)  # (TILE,) slot = block_id * B + token % B
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id,
-                                     offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
+                                     token % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
                                      cache_stride_block, cache_stride_token, qk_scale, v_scale)
-    # a padded CUDA-graph row (context_len 0) does not hold the prefix: drop its share (LSE -inf)
-    l_i = tl.where(tl.load(context_lens_ptr + seq, mask=row_mask, other=0) >= prefix_len, l_i, 0.0)
-    q_rows = seq * tl.num_programs(0) * GROUP + heads  # (ROWS,) rows of out (S * H, D)
-    _store_decode_partial(acc, m_i, l_i, q_rows, row_mask, offs_d, split, num_slots, part_out_ptr,
-                          part_out_ptr, part_lse_ptr, HEAD_DIM, False)  # always a partial
-
-
-@triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
-    seq, head = tl.program_id(0), tl.program_id(1)
-    row = seq * tl.num_programs(1) + head  # row of part_lse (S, H, splits) and out (S, H, D)
-    offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
-    split_mask = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # context_len 0: all empty, no NaN
-    weight = tl.exp2(lse - lse_max)  # (SPLITS_PAD,) each split's share of the softmax mass
-    # (SPLITS_PAD, D) partial outputs; empty splits wrote none
-    parts = tl.load(part_out_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM
-                    + offs_d[None, :], mask=(lse > float("-inf"))[:, None], other=0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)  # (D,)
-    tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
-# --------------------------------------------------------------------------------------------------
-# Split heuristics, launch settings and the Python entry points
-# --------------------------------------------------------------------------------------------------
-
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int,
-                       device: torch.device) -> int:
-    """Splits per sequence for paged_decode, from shapes only (CUDA-graph safe, never from
-    context_lens).
-
-    Flash-decoding: split each sequence's blocks only until the (sequence, KV head, split) grid has
-    SPLIT_PROGRAMS_PER_SM programs for every SM. Large batches get there alone: 1 split, no merge
-    launch. Never more splits than block-table columns (a split needs >= 1 block) or MAX_SPLITS.
-    """
-    splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count(device), num_seqs * num_kv_heads)
-    return max(1, min(splits, max_blocks, MAX_SPLITS))
-
-
-def _prefix_num_splits(row_tiles: int, num_kv_heads: int, max_blocks: int,
-                       device: torch.device) -> int:
-    """Splits of the shared prefix for the cascade prefix kernel, from shapes only (never from P).
-
-    Like default_num_splits with (KV head, row tile) programs in the place of (sequence, KV head)
-    ones, but CASCADE_PROGRAMS_PER_SM, rounded down: each split adds a partial that the own kernel
-    must read back.
-    """
-    splits = CASCADE_PROGRAMS_PER_SM * sm_count(device) // (row_tiles * num_kv_heads)
-    return max(1, min(splits, max_blocks, MAX_SPLITS))
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context_len 0: zeros, not NaN
+    rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=offs_g[:, None] < GROUP)
 
 
 def _check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                         context_lens: Tensor, num_splits: int,
-                         num_common_blocks: Tensor | None) -> None:
+                         context_lens: Tensor) -> None:
     """paged_decode's input contract (see its docstring); an AssertionError names the broken one."""
     (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
     assert H % Hkv == 0 and k_cache.shape[3] == D and v_cache.shape == k_cache.shape
     assert D >= 16 and D & (D - 1) == 0 and B >= 16 and B & (B - 1) == 0, "power-of-two D, B >= 16"
     assert block_tables.shape[0] == S and block_tables.stride(1) == 1 and q.stride(2) == 1
     assert block_tables.dtype == context_lens.dtype == torch.int32 and context_lens.shape == (S,)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and num_splits >= 1
-    assert num_common_blocks is None or (
-        (num_common_blocks.shape, num_common_blocks.dtype) == ((1,), torch.int32))
-
-
-def _partial_buffers(q: Tensor, prefix_splits: int, num_splits: int,
-                     out: Tensor) -> tuple[int, Tensor, Tensor]:
-    """Slots for partial results per (sequence, head), and the fp32 partial outputs (S, H, slots,
-    D) and LSEs (S, H, slots). The slots: the prefix splits', then the own splits', unless one own
-    split folds the prefix partials in and writes the answer itself (the big batches cascade is
-    for). With no slots the kernels get `out` in the buffers' place and never write it."""
-    num_slots = prefix_splits + (num_splits if num_splits > 1 else 0)
-    if not num_slots:
-        return 0, out, out
-    lse = q.new_empty(*q.shape[:2], num_slots, dtype=torch.float32)  # (S, H, slots)
-    return num_slots, lse.new_empty(*lse.shape, q.shape[2]), lse  # + outputs (S, H, slots, D)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
 
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                 context_lens: Tensor, scale: float, num_splits: int | None = None,
-                 num_common_blocks: Tensor | None = None) -> Tensor:
+                 context_lens: Tensor, scale: float) -> Tensor:
     """One new query token per sequence attends to its whole paged context: (S, H, D) -> (S, H, D).
 
     k_cache / v_cache (num_blocks, B, Hkv, D) contiguous; q may be a strided view (last dim
-    contiguous); block_tables (S, max_blocks) int32, context_lens (S,) int32. D and B powers of two
-    >= 16. Output in q's dtype; fp32 accumulation (fp32 inputs run the products in TF32). No host
-    sync, grid from shapes only: safe to capture in a CUDA graph.
-
-    Cascade attention: num_common_blocks, a (1,) int32 device tensor P (may be 0), says the first P
-    block-table columns are the same full blocks for every sequence (a prefix-cache hit, say a
-    shared system prompt), with context_lens >= P * B or 0 (a padded graph row: zeros out). That
-    prefix is then read once per CASCADE_ROWS query rows instead of once per sequence, and merged
-    by LSE with each sequence's own blocks; P stays on the device, so one graph replays for any P.
-    Callers use it for big batches only: on small ones the extra launch costs more than it saves.
+    contiguous); block_tables (S, max_blocks) int32, context_lens (S,) int32 (0: a padded graph
+    row, zeros out). D and B powers of two >= 16. Output in q's dtype; fp32 accumulation (fp32
+    inputs run the products in TF32). No host sync, grid from shapes only: safe in a CUDA graph.
     """
-    if not use_triton(q):  # same math either way: the prefix changes only how often kernels read it
+    if not use_triton(q):
         return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-    (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
-    if num_splits is None:
-        num_splits = default_num_splits(S, Hkv, max_blocks, q.device)
-    _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, num_splits,
-                         num_common_blocks)
-    group, cascade = H // Hkv, num_common_blocks is not None
-    row_tiles = triton.cdiv(S * group, CASCADE_ROWS)  # (sequence, query head) rows per KV head
-    prefix_splits = _prefix_num_splits(row_tiles, Hkv, max_blocks, q.device) if cascade else 0
+    _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
     out = q.new_empty(S, H, D)  # (S, H, D)
-    num_slots, part_out, part_lse = _partial_buffers(q, prefix_splits, num_splits, out)
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
-    # both kernels walk whole blocks, a tile's worth per loop step (an fp8 tile has twice the rows)
-    tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
-    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=max(1, tile // B))
-    if cascade:  # launched first: the per-sequence kernel folds its partials in
-        _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
-            q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
-            scale * LOG2E, FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
-            NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch)
-        # A sequence's own blocks after a shared prefix are often few, and the last tile's empty
-        # rows cost an fp8 tile its conversions all the same: the own blocks go in bf16's tiles
-        launch["BLOCKS_PER_ITER"] = max(1, DECODE_TILE_TOKENS // B)
-    _paged_decode_kernel[(Hkv, S, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
-        scale * LOG2E, FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
-        GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),  # arange: a power of two
-        CASCADE=cascade, SINGLE_SPLIT=num_splits == 1, NUM_STAGES=DECODE_NUM_STAGES,
-        num_warps=DECODE_NUM_WARPS, **launch)
-    if num_splits > 1:
-        _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,
-                                     SPLITS_PAD=triton.next_power_of_2(num_slots),
-                                     num_warps=MERGE_NUM_WARPS)
+    tile = TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else TILE_TOKENS
+    _paged_decode_kernel[(Hkv, S)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale * LOG2E, FP8_V_SCALE,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        GROUP=H // Hkv, GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(H // Hkv)),
+        HEAD_DIM=D, BLOCK_SIZE=B, TILE=tile, NUM_STAGES=NUM_STAGES)
     return out
 
 

@@ -10,8 +10,10 @@ rounding of each other, as greedy does. The race runs in two levels, both exact:
 SAMPLE_CHUNK logits race with their log-sum-exp (the best score inside a chunk is Gumbel-distributed
 around it), then the tokens of the winning chunk race. So a row needs noise for its chunks and one
 chunk's tokens, not for the whole vocabulary. Philox is counter-based: noise is computed where it
-is read, never stored. Owns the kernels and sample_ref, their plain-torch twin (same Philox, same
-noise). Invariant: no host sync. Called by layers.Sampler.
+is read, never stored. Owns the kernels and sample_ref, the CPU path: the same contract (a draw
+decided by the row's key alone) with torch's own noise. The kernels' bit-exact twin, Philox
+included, is the tests' oracle (tests/sampling_ref.py). Invariant: no host sync in the kernels.
+Called by layers.Sampler.
 """
 
 import torch
@@ -22,11 +24,7 @@ from torch import Tensor
 from nanoserve.kernels.common import use_triton
 
 SAMPLE_CHUNK = 2048  # logits per chunk: 75 chunks for Qwen's 151,936 tokens
-PHILOX_ROUNDS = 10  # as tl.randint4x
-PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox 4x32's multipliers
-PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85  # and its key increments
 TOKEN_STREAM = 1 << 32  # Philox counters of the token race start here; the chunk race's at 0
-UINT32 = 0xFFFFFFFF
 UNIFORM_SCALE = 4.6566127342e-10  # 2**-31: a 31-bit integer to a float in [0, 1), as tl.rand
 KERNEL_UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)  # (kernels read only constexpr globals)
 KERNEL_TOKEN_STREAM = tl.constexpr(TOKEN_STREAM)
@@ -114,42 +112,13 @@ def sample(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
     return out
 
 
-def _umulhi(a: int, b: Tensor) -> Tensor:
-    """The high 32 bits of a * b for 32-bit a and b (int64 tensor), without int64 overflow."""
-    return (a * (b >> 16) + ((a * (b & 0xFFFF)) >> 16)) >> 16
-
-
-def philox4x32(keys: Tensor, counters: Tensor) -> list[Tensor]:
-    """Philox 4x32-10 as Triton's tl.randint4x(key, counter): keys (S,) int64, counters (S, Q)
-    int64 -> four (S, Q) tensors of 32-bit values (held in int64)."""
-    c0, c1 = counters & UINT32, counters >> 32
-    c2 = c3 = torch.zeros_like(c0)
-    k0, k1 = (keys & UINT32).unsqueeze(1), ((keys >> 32) & UINT32).unsqueeze(1)  # (S, 1)
-    for _ in range(PHILOX_ROUNDS):
-        c0, c1, c2, c3 = (_umulhi(PHILOX_ROUND_B, c2) ^ c1 ^ k0, (PHILOX_ROUND_B * c2) & UINT32,
-                          _umulhi(PHILOX_ROUND_A, c0) ^ c3 ^ k1, (PHILOX_ROUND_A * c0) & UINT32)
-        k0, k1 = (k0 + PHILOX_KEY_A) & UINT32, (k1 + PHILOX_KEY_B) & UINT32
-    return [c0, c1, c2, c3]
-
-
-def gumbel_ref(bits: Tensor) -> Tensor:
-    """Gumbel noise of 32-bit values, as the kernels make it (_gumbel)."""
-    signed = torch.where(bits >= 2**31, bits - 2**32, bits)  # the bits as an int32
-    u = torch.where(signed < 0, -signed - 1, signed).float() * UNIFORM_SCALE  # [0, 1)
-    return -torch.log(-torch.log(u))
-
-
 def sample_ref(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
-    """sample() in plain torch (CPU path and test oracle): the same two races, the same noise."""
-    (S, V), K, Q = logits.shape, SAMPLE_CHUNK, SAMPLE_CHUNK // 4
-    C = triton.cdiv(V, K)
+    """sample()'s contract in plain torch (the CPU path), with other noise than the kernels': row
+    i's noise comes from a generator seeded with keys[i] alone, so a seeded row draws the same
+    token in any batch and order. Syncs with the host (the keys, one row at a time)."""
     x = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # (S, V)
-    padded = torch.cat([x, x.new_full((S, C * K - V), float("-inf"))], 1).view(S, C, K)
-    lse = padded.logsumexp(-1)  # (S, C)
-    noise = gumbel_ref(philox4x32(keys, torch.arange(C, device=keys.device).expand(S, -1))[0])
-    chunk = (lse + noise).argmax(-1)  # (S,) the chunk race
-    inside = padded.gather(1, chunk.view(S, 1, 1).expand(-1, 1, K)).squeeze(1)  # (S, K)
-    # the token race, its noise laid out as the kernel's: four parts of Q, part-major
-    counters = TOKEN_STREAM + chunk.unsqueeze(1) * Q + torch.arange(Q, device=keys.device)
-    token = chunk * K + (inside + gumbel_ref(torch.cat(philox4x32(keys, counters), 1))).argmax(-1)
-    return torch.where(temperatures > 0, token, x.argmax(-1))  # (S,)
+    gens = [torch.Generator(logits.device).manual_seed(key) for key in keys.tolist()]  # per row
+    noise = torch.stack([torch.empty_like(r).exponential_(generator=g) for r, g in zip(x, gens)])
+    # argmax(p / E), E ~ Exp(1) per token, samples from p: the exponential race, Gumbel-max's twin
+    token = (x.softmax(-1) / noise).argmax(-1)  # (S,)
+    return torch.where(temperatures > 0, token, x.argmax(-1))  # T = 0: the (first) argmax
