@@ -26,8 +26,6 @@ from torch import Tensor, nn
 from nanoserve import kernels
 from nanoserve.config import cdiv
 
-TEMPERATURE_MIN = 1e-5  # top-k/top-p rows divide by the temperature: greedy rows (T = 0) by this
-
 
 def tp_rank_and_size() -> tuple[int, int]:
     """This process's rank and the tensor-parallel world size; (0, 1) when not distributed."""
@@ -289,33 +287,12 @@ class Attention(nn.Module):
 
 # ---- sampling ------------------------------------------------------------------------------------
 class Sampler(nn.Module):
-    """One token per row of logits, each row with its own temperature, top-k, top-p and key:
-    the key decides the draw (kernels.sampling), so a seeded row is drawn the same in any batch."""
+    """One token per row of logits, each row with its own temperature and key: the key decides
+    the draw (kernels.sampling), so a seeded row is drawn the same in any batch."""
 
-    def forward(self, logits: Tensor, temperatures: Tensor | None, keys: Tensor | None = None,
-                top_ks: Tensor | None = None, top_ps: Tensor | None = None) -> Tensor:
-        # logits (S, V); temperatures (S,), None when every row is greedy; keys (S,) int64, with
-        # temperatures; top_ks (S,) int, 0 = off; top_ps (S,), 1 = off
+    def forward(self, logits: Tensor, temperatures: Tensor | None,
+                keys: Tensor | None = None) -> Tensor:
+        # logits (S, V); temperatures (S,), None when every row is greedy; keys (S,) int64
         if temperatures is None:
             return logits.argmax(-1)  # (S,)
-        if top_ks is None and top_ps is None:
-            return kernels.sample(logits, temperatures, keys)
-        scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
-        # the top token always survives the masks: greedy rows stay greedy
-        masked = self.mask_top_k_top_p(scaled, top_ks, top_ps)
-        return kernels.sample(masked, (temperatures > 0).float(), keys)  # pre-scaled: T = 1, or 0
-
-    @staticmethod
-    def mask_top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:
-        """-inf for every logit outside the top k, and outside the fewest tokens reaching p."""
-        sorted_logits, order = logits.sort(-1, descending=True)  # (S, V)
-        if top_ks is not None:
-            ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)  # (1, V)
-            k = torch.where(top_ks > 0, top_ks, logits.shape[-1]).unsqueeze(1)  # (S, 1); 0: off
-            sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-        if top_ps is not None:
-            probs = sorted_logits.softmax(-1)
-            # drop a token when the tokens before it reach p (the most likely one always stays)
-            drop = (probs.cumsum(-1) - probs) >= top_ps.unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        return kernels.sample(logits, temperatures, keys)

@@ -31,8 +31,9 @@ from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.weights import default_model_dir
 
-# SamplingParams fields that ask for an extension when set: field -> extension module
-REQUEST_EXTENSIONS = {"stop": "stop_strings", "logprobs": "logprobs"}
+# SamplingParams fields that ask for an extension when not at their default: field -> extension
+REQUEST_EXTENSIONS = {"stop": "stop_strings", "logprobs": "logprobs", "top_k": "top_k_top_p",
+                      "top_p": "top_k_top_p"}
 
 
 class StepObserver:
@@ -161,7 +162,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         for field, name in REQUEST_EXTENSIONS.items():
-            if getattr(params, field) not in (None, ()):
+            if getattr(params, field) != SamplingParams.__dataclass_fields__[field].default:
                 self._attach(name)
         if not isinstance(prompt, (str, list, tuple, np.ndarray)):
             raise ValueError("a prompt must be a string or a list of token ids, got "

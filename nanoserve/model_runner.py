@@ -281,7 +281,7 @@ class ModelRunner:
     # ---- sampling (rank 0) --------------------------------------------------------------------
     @torch.inference_mode()
     def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
-        params, d = [seq.params for seq in seqs], self.to_device
+        params, d, model_logits = [seq.params for seq in seqs], self.to_device, logits
         for hook in self.sampling_hooks:
             logits = hook.before_sample(logits, seqs)
         temperatures = keys = None  # None: every row is greedy
@@ -291,14 +291,11 @@ class ModelRunner:
             key = [k if seq.params.seed is None else sampling_key(seq.params.seed, seq.num_tokens)
                    for k, seq in zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(), seqs)]
             keys = d(np.array(key, np.int64))  # (S,)
-        top_ks = d(np.array([p.top_k for p in params])) if any(p.top_k for p in params) else None
-        top_ps = (d(np.array([p.top_p for p in params], np.float32))
-                  if any(p.top_p < 1 for p in params) else None)
-        token_ids = self.sampler(logits, temperatures, keys, top_ks, top_ps)  # (S,) int64
+        token_ids = self.sampler(logits, temperatures, keys)  # (S,) int64
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
         out = StepOutput(token_ids, token_ids.to("cpu", non_blocking=True))
-        for hook in self.sampling_hooks:
-            hook.after_sample(logits, token_ids, seqs, out)
+        for hook in self.sampling_hooks:  # the model's logits, before any hook changed them
+            hook.after_sample(model_logits, token_ids, seqs, out)
         if self.device.type == "cuda":  # after every copy to the host
             out.copied = torch.cuda.current_stream().record_event()
         return out

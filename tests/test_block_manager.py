@@ -32,7 +32,8 @@ def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
     blocks = [(b.block_id, b.ref_count, b.hash, list(b.token_ids), b.computed) for b in bm.blocks]
     seq_state = [(list(s.block_table), s.num_computed_tokens, s.num_cached_tokens,
                   s.num_hashed_blocks, list(s.token_ids), s.status) for s in seqs]
-    return (list(bm.free_block_ids), blocks, dict(bm.hash_to_block_id), (bm.num_allocated, bm.num_freed, bm.num_hits), seq_state)
+    counts = (bm.num_allocated, bm.num_freed, bm.num_hits)
+    return (list(bm.free_block_ids), blocks, dict(bm.hash_to_block_id), counts, seq_state)
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:

@@ -5,6 +5,7 @@ to 16 logits here, so small vocabularies span several chunks on the GPU."""
 import pytest
 import torch
 
+from nanoserve.extensions.top_k_top_p import mask_top_k_top_p
 from nanoserve.kernels import sampling
 from nanoserve.layers import Sampler
 
@@ -23,6 +24,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
+def sample(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor,
+           top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None) -> torch.Tensor:
+    """The model runner's sampling: the top-k/top-p extension's mask (where asked), then Sampler."""
+    if top_ks is not None or top_ps is not None:
+        S = logits.shape[0]
+        zeros = torch.zeros(S, dtype=torch.long, device=logits.device)
+        top_ks = zeros if top_ks is None else top_ks
+        top_ps = torch.ones(S, device=logits.device) if top_ps is None else top_ps
+        logits = mask_top_k_top_p(logits, temps, top_ks, top_ps)
+    return Sampler()(logits, temps, keys)
+
+
 def frequencies(logits: torch.Tensor, temperature: float, device: str = "cpu", rows: int = ROWS,
                 **masks) -> torch.Tensor:
     """Empirical frequency of each token over `rows` draws from the same logits (V,)."""
@@ -30,7 +43,7 @@ def frequencies(logits: torch.Tensor, temperature: float, device: str = "cpu", r
     temps = torch.full((rows,), temperature, device=device)
     masks = {k: torch.full((rows,), v, device=device) for k, v in masks.items()}
     keys = torch.randint(0, 2**62, (rows,), device=device)
-    out = Sampler()(logits.repeat(rows, 1).to(device), temps, keys, **masks)
+    out = sample(logits.repeat(rows, 1).to(device), temps, keys, **masks)
     return (torch.bincount(out, minlength=len(logits)) / rows).cpu()
 
 
@@ -96,7 +109,7 @@ def test_greedy_rows_are_the_argmax(device):
     keys = torch.randint(0, 2**62, (8,), device=device)
     for masks in ({}, {"top_ks": torch.full((8,), 3, device=device)},
                   {"top_ps": torch.full((8,), 0.9, device=device)}):
-        out = Sampler()(logits, temps, keys, **masks)
+        out = sample(logits, temps, keys, **masks)
         assert out[::2].tolist() == logits.argmax(-1)[::2].tolist()
     # every row greedy: no draw at all
     assert Sampler()(logits, None).tolist() == logits.argmax(-1).tolist()

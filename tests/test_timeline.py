@@ -17,8 +17,6 @@ from test_scheduler import BS, EOS, FakeRunner, make_seq, model_dir, plain_step,
 
 from nanoserve.config import Config
 from nanoserve.extensions.overlap import OverlapLoop
-from nanoserve.scheduler import Batch, Scheduler
-from nanoserve.sequence import Sequence
 from nanoserve.extensions.timeline import (
     CHUNK,
     DECODE,
@@ -31,6 +29,8 @@ from nanoserve.extensions.timeline import (
     Step,
     Timeline,
 )
+from nanoserve.scheduler import Batch, Scheduler
+from nanoserve.sequence import Sequence
 
 SHARED = prompt(12, 500)  # 3 full blocks of a system prompt that several requests share
 LATE_EOS_AT = 14  # request 3 samples EOS as its 15th token: with overlap, seen a step late

@@ -4,8 +4,9 @@ What it changes: decode attention. Small batches split each sequence's blocks ov
 (merged by their log-sum-exp) so the GPU fills; big ones that share a prefix (a prefix-cache hit,
 say a system prompt) read it once per CASCADE_ROWS query rows instead of once per sequence. Where it
 plugs in: the attention backend for decode (Cascade sets every Attention layer's decode_backend
-to cascade_decode, same result; the model runner asks it for the shared prefix of each batch). What it gains: see
-docs/performance.md. Invariant, as the core's: no host sync, a grid from shapes and arguments only.
+to cascade_decode, same result; the model runner asks it for the shared prefix of each batch).
+What it gains: see docs/performance.md. Invariant, as the core's: no host sync, a grid from shapes
+and arguments only.
 """
 
 import numpy as np
@@ -17,9 +18,9 @@ from torch import Tensor
 from nanoserve.config import Config
 from nanoserve.kernels import decode
 from nanoserve.kernels.common import sm_count, use_triton
+from nanoserve.kernels.decode import _attend_tile, _dot_dtype  # the core's tile step, reused
 from nanoserve.layers import ForwardContext
 from nanoserve.models import DecoderModel
-from nanoserve.kernels.decode import _attend_tile, _dot_dtype  # the core's tile step, reused
 
 # Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
 DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks): more bytes in flight per program

@@ -1,0 +1,52 @@
+"""Top-k and top-p (nucleus) sampling: `SamplingParams(top_k=k, top_p=p)` draws only from the k
+likeliest tokens, and from the fewest likeliest whose probability reaches p.
+
+Attaches at the model runner's sampling hooks, before the sampler: the logits outside the kept
+set become -inf, so the core's sampler, which divides by the temperature, draws from the rest
+with their probabilities renormalized. The set is chosen at the request's temperature (top-p
+depends on it), and the likeliest token always stays: a greedy row stays greedy.
+"""
+import numpy as np
+import torch
+from torch import Tensor
+
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.model_runner import ModelRunner, SamplingHook
+from nanoserve.sequence import Sequence
+
+TEMPERATURE_MIN = 1e-5  # greedy rows (T = 0) divide by this to rank their tokens
+
+
+def mask_top_k_top_p(logits: Tensor, temperatures: Tensor, top_ks: Tensor,
+                     top_ps: Tensor) -> Tensor:
+    """logits (S, V) with -inf outside each row's top k (top_ks (S,), 0 = off) and outside the
+    fewest tokens whose probability at temperatures (S,) reaches top_ps (S,) (1 = off)."""
+    scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
+    sorted_logits, order = scaled.sort(-1, descending=True)  # (S, V)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)  # (1, V)
+    k = torch.where(top_ks > 0, top_ks, logits.shape[-1]).unsqueeze(1)  # (S, 1)
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # drop a token when the tokens before it reach p (the most likely one always stays)
+    drop |= (probs.cumsum(-1) - probs) >= top_ps.unsqueeze(1)
+    return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+
+
+class TopKTopP(SamplingHook):
+    def __init__(self, model_runner: ModelRunner) -> None:
+        self.to_device = model_runner.to_device
+
+    def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        params = [seq.params for seq in seqs]
+        if all(p.top_k == 0 and p.top_p == 1 for p in params):
+            return logits
+        temperatures = self.to_device(np.array([p.temperature for p in params], np.float32))
+        top_ks = self.to_device(np.array([p.top_k for p in params], np.int64))
+        top_ps = self.to_device(np.array([p.top_p for p in params], np.float32))
+        return mask_top_k_top_p(logits, temperatures, top_ks, top_ps)
+
+
+def attach(engine: LLMEngine) -> TopKTopP:
+    hook = TopKTopP(engine.model_runner)
+    engine.model_runner.sampling_hooks.append(hook)
+    return hook
