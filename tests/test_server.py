@@ -263,8 +263,8 @@ class FutureConfig:
     cascade_attention: bool = True  # one attention pass over a prefix the batch shares
     # the drafter: "ngram" or None (off)
     speculative_method: str | None = None
+    mode: Literal["fast", "exact"] = "fast"  # how drafts are checked
     num_speculative_tokens: int | None = 4
-    mode: Literal["fast", "exact"] = "fast"
     sizes: list[int] = dataclasses.field(default_factory=list, metadata={"help": "batch sizes"})
 
 
@@ -283,6 +283,7 @@ def test_flags_follow_any_dataclass():
     assert "one attention pass over a prefix the batch shares (default: True)" in help_text
     assert "the drafter: \"ngram\" or None (off) (default: None)" in help_text  # comment above
     assert "num speculative tokens (default: 4)" in help_text  # no comment: the name
+    assert "how drafts are checked; one of fast, exact (default: fast)" in help_text
     assert "batch sizes (default: [])" in help_text  # metadata["help"] first
     with pytest.raises(SystemExit):
         parser.parse_args(["--mode", "slow"])

@@ -49,16 +49,19 @@ def field_comments(cls: type) -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # no source (a frozen app): the flags go without help
         return {}
+    lines = source.splitlines()
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline)
                 if tok.type == tokenize.COMMENT}
+    # comment lines of their own, not the trailing comment of the field above
+    alone = {n: text for n, text in comments.items() if lines[n - 1].lstrip().startswith("#")}
     found = {}
     for node in ast.parse(source).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            line, above = node.end_lineno, []
-            while node.lineno - len(above) - 1 in comments:
-                above.insert(0, comments[node.lineno - len(above) - 1])
-            text = comments.get(line) or " ".join(above)
+            above = []
+            while node.lineno - len(above) - 1 in alone:
+                above.insert(0, alone[node.lineno - len(above) - 1])
+            text = comments.get(node.end_lineno) or " ".join(above)
             if text:
                 found[node.target.id] = text
     return found
