@@ -111,7 +111,8 @@ def add_config_flags(parser: argparse._ActionsContainer, cls: type,
         kwargs = flag_kwargs(hints[f.name])
         if choices := f.metadata.get("choices", CHOICES.get(f.name)):
             kwargs["choices"] = choices
-            text += f"; one of {', '.join(map(str, choices))}"
+        if "choices" in kwargs:  # listed in the help too: argparse wraps its own list badly
+            text += f"; one of {', '.join(map(str, kwargs['choices']))}"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
                             default=argparse.SUPPRESS, help=f"{text} (default: {default})",
                             **kwargs)
