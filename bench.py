@@ -29,13 +29,15 @@ time. "roof" = achieved tokens/s / bound tokens/s. Prefill is in the wall time b
 bound, so 100% is out of reach. On w2 each sequence reads its own copy of the prefix's KV. The KV
 bytes are the cache's: 1 per value with --kv-cache-dtype fp8, whose rows have their own bound.
 
-Output: a table, --json (rows and the run's conditions) and --plot (a bar chart). CPU mode (--cpu,
-or no CUDA) runs the packaged default model on small workloads, without a roofline.
+Output: a table, results/bench.json (rows and the run's conditions; --out PATH or --json PATH
+writes it elsewhere) and --plot PATH (a bar chart). results/ is git-ignored; the files in docs/
+change only when their path is given. CPU mode (--cpu, or no CUDA) runs the packaged default
+model on small workloads, without a roofline.
   python bench.py                                     # GPU: w1 + w2, nanoserve + both HF peers
   python bench.py --cpu --engines nanoserve,hf        # a few minutes on a laptop CPU
   python bench.py --engines nanoserve --kv-cache-dtype auto,fp8   # nanoserve with each KV cache
   python bench.py --plot-from a.json,b.json --plot bench.png   # redraw saved results, merged
-The HF peers take minutes on w1: split a long run with --engines/--workload, one --json each.
+The HF peers take minutes on w1: split a long run with --engines/--workload, one --out each.
 """
 import argparse
 import contextlib
@@ -78,6 +80,7 @@ if TYPE_CHECKING:   # imported lazily at run time: transformers takes seconds to
 
 TEMPERATURE = 0.6          # nano-vllm's bench samples at 0.6; every engine uses the same
 TOKEN_ID_MAX = 10_000      # prompt token ids are randint(0, TOKEN_ID_MAX)
+RESULTS_DIR = "results"    # a run's files unless a path is given (git-ignored)
 WARMUP_SEED = 1_000        # warm-up prompts: random, so they share no prefix with the timed ones
 WARMUP_MAX_OUTPUT = 16     # warm-up requests generate 1 to this many tokens
 MIN_TIMED_SECONDS = 3.0    # a workload that runs shorter is timed again (W2: 0.7 s on an H100)
@@ -552,6 +555,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def write_json(path: str, meta: dict, rows: list[Row]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2))
 
 
@@ -663,6 +667,7 @@ def plot(rows: list[dict], metas: list[dict], path: str) -> Figure:
     """chart() written as a PNG by the Agg canvas (no display needed)."""
     fig = chart(rows, metas)
     FigureCanvasAgg(fig)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=CHART_DPI)
     log(f"wrote {path}")
     return fig
@@ -689,14 +694,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of auto, fp8: nanoserve runs once with each KV cache dtype")
     p.add_argument("--bandwidth", type=float,
                    help="HBM bytes/s per GPU for the roofline (default: by GPU name)")
-    p.add_argument("--json", help="write rows, hardware, model and workloads to this file")
-    p.add_argument("--plot", help="write a PNG bar chart of tokens/s")
+    p.add_argument("--out", "--json", dest="json", metavar="PATH",
+                   default=f"{RESULTS_DIR}/bench.json",
+                   help="write rows, hardware, model and workloads to this file "
+                        "(default: %(default)s)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of tokens/s "
+                   f"(--plot-from: default {RESULTS_DIR}/bench.png)")
     p.add_argument("--timeline", metavar="PATH",
                    help="draw the timeline (requests x engine steps) of nanoserve's first run: the "
                         "first workload, prefix caching on, the first --kv-cache-dtype")
     p.add_argument("--plot-from",
-                   help="run nothing: draw --plot from JSON file(s) of --json, comma-separated")
-    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test
+                   help="run nothing: draw --plot from JSON file(s) of --out, comma-separated")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke test, not a benchmark: a 2-layer random Qwen3 runs the whole code "
+                        "path in seconds; its figures are overheads (on W2 prefix caching may "
+                        "even look slower)")
     return p.parse_args(argv)
 
 
@@ -758,11 +770,11 @@ def run_workload(wl: Workload, engines: list[str], model_dir: str, meta: dict,
     return rows
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.plot_from:
         rows, metas = load_results(args.plot_from.split(","))
-        plot(rows, metas, args.plot or "bench.png")
+        plot(rows, metas, args.plot or f"{RESULTS_DIR}/bench.png")
         return
     cpu = args.cpu or not torch.cuda.is_available()
     engines = check_names(args)

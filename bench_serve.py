@@ -22,9 +22,12 @@ the same lengths, 1-16 output tokens), runs every --request-rates entry, and sto
 --w1 also sends nano-vllm's W1 (bench.py) to nanoserve all at once and times its offline
 LLM.generate on the same requests, in a process of its own (the saturation reference);
 --sequential also sends the main requests one at a time (all at once versus one by one).
-Results go to --json; --plot draws latency against request rate for every server.
+Results go to results/ (git-ignored): results/serving.json, or the preset's file; --out PATH
+(or --json PATH) writes them elsewhere, --plot PATH draws latency against request rate for every
+server. The files in docs/ change only when their path is given:
   python bench_serve.py --preset cpu                    # CPU: default model, 16 requests
   python bench_serve.py --preset h100                   # GPU: random Qwen3-0.6B, both servers
+  python bench_serve.py --preset cpu --out docs/serving_cpu.json   # refresh the docs' figures
   python bench_serve.py --url http://127.0.0.1:8000 --model NAME --num-prompts 64
 """
 import argparse
@@ -58,17 +61,24 @@ STOP_TIMEOUT_S = 60
 REQUEST_TIMEOUT_S = 3 * 3600
 PERCENTILES = (50, 99)
 FIRST_PORT = 8100
+RESULTS_DIR = "results"  # a run's files unless a path is given (git-ignored)
 
-# One run's settings per preset; any flag given on the command line wins.
+# One run's settings per preset; any flag given on the command line wins. Their files go to
+# RESULTS_DIR: docs/serving_*.json are refreshed only by naming them (--out docs/...).
 PRESETS = {
     "cpu": dict(servers="nanoserve", num_prompts=16, min_input_len=32, max_input_len=128,
                 min_output_len=32, max_output_len=128, request_rates="inf", sequential=True,
-                json="docs/serving_cpu.json"),
+                json=f"{RESULTS_DIR}/serving_cpu.json"),
     "h100": dict(servers="nanoserve,transformers", num_prompts=64, min_input_len=100,
                  max_input_len=1024, min_output_len=100, max_output_len=512,
                  request_rates="inf,0.5,1,2", rate_prompts=20, rate_max_output_len=256,
-                 w1=True, random_model="qwen3-0.6b", json="docs/serving_h100.json",
-                 plot="docs/serving.png"),
+                 w1=True, random_model="qwen3-0.6b", json=f"{RESULTS_DIR}/serving_h100.json",
+                 plot=f"{RESULTS_DIR}/serving.png"),
+}
+PRESET_HELP = {  # one phrase per preset, for --help
+    "cpu": "the default model on the CPU, 16 requests all at once, then one at a time",
+    "h100": "a random Qwen3-0.6B on a GPU, nanoserve and transformers serve: W1 and offline, "
+            "64 requests all at once, Poisson rates 0.5, 1, 2 (and a chart)",
 }
 
 
@@ -360,6 +370,7 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     fig.suptitle(f"Serving latency against request rate · {hw.get('gpu', 'CPU')} · model "
                  f"{Path(meta['model']).name} · commit {hw.get('commit', '?')}", fontsize=11)
     FigureCanvasAgg(fig)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     log(f"wrote {path}")
 
@@ -390,7 +401,9 @@ def print_table(rows: list[dict]) -> None:
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", choices=list(PRESETS), help="a whole run's settings (see PRESETS)")
+    p.add_argument("--preset", choices=list(PRESETS),
+                   help="a whole run's settings (flags given still win): " + "; ".join(
+                       f"{name}: {text}" for name, text in PRESET_HELP.items()))
     p.add_argument("--url", help="measure this running server instead of starting --servers")
     p.add_argument("--server-kind", default="nanoserve", choices=["nanoserve", "transformers"],
                    help="with --url: how to write requests for it")
@@ -417,9 +430,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--w1-prompts", type=int, default=256, help="W1's first this many requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="serve on the CPU even with a GPU")
-    p.add_argument("--json", help="write the runs and their conditions to this file")
-    p.add_argument("--plot", help="write a PNG of latency against request rate")
-    p.add_argument("--log-dir", default="results", help="where the servers' logs go")
+    p.add_argument("--out", "--json", dest="json", metavar="PATH",
+                   default=f"{RESULTS_DIR}/serving.json",
+                   help=f"write the runs and their conditions here (default: {RESULTS_DIR}/"
+                        "serving.json, or the preset's file in it)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of latency against request rate "
+                   f"(--preset h100: {RESULTS_DIR}/serving.png; --plot-from: the same)")
+    p.add_argument("--log-dir", default=RESULTS_DIR, help="where the servers' logs go")
     p.add_argument("--plot-from", help="run nothing: draw --plot from --json file(s), comma "
                    "separated; a server's runs come from the last file that has it")
     first, _ = p.parse_known_args(argv)
@@ -461,7 +478,7 @@ def headline(rows: list[dict], offline_tps: float | None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.plot_from:
-        plot(*merge_results(args.plot_from.split(",")), args.plot)
+        plot(*merge_results(args.plot_from.split(",")), args.plot or f"{RESULTS_DIR}/serving.png")
         return
     import torch
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
@@ -479,8 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     def record(row: dict) -> None:
         rows.append(row)
         meta["summary"] = headline(rows, meta.get("offline_w1_tokens_per_s"))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
+        write_json(args.json, {"meta": meta, "runs": rows})
 
     if args.w1:
         w1 = bench.make_w1(args.w1_prompts)
@@ -493,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
             server_command(name, model_dir, FIRST_PORT + i, device, args.nanoserve_args))
         serve_and_measure(name, model_dir, args, device, FIRST_PORT + i, record)
     print_table(rows)
-    log(f"summary: {json.dumps(meta.get('summary', {}))}")
+    log(f"summary: {json.dumps(meta.get('summary', {}))}\nwrote {args.json}")
     if args.plot and any(r["label"] == "poisson" for r in rows):
         plot(rows, meta, args.plot)
 
@@ -508,8 +524,13 @@ def run_against_url(args: argparse.Namespace, rows: list[dict]) -> None:
     for run in plan_runs(args, args.server_kind):
         rows.append(run_one(server, run, args.seed))
     print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"runs": rows}, indent=1))
+    write_json(args.json, {"runs": rows})
+
+
+def write_json(path: str, results: dict) -> None:
+    """Rewritten after every run, so a run cut short still leaves the figures it has."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ import argparse
 import contextlib
 import json
 import random
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
 import bench_utils  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_w1_is_nano_vllms_workload():
@@ -250,3 +254,50 @@ def test_relabeled_workload_keeps_lengths_and_shared_prefixes_with_new_ids():
     assert new.prompts[0][:32] != wl.prompts[0][:32]  # which the prefix cache has not seen
     assert max(map(max, new.prompts)) <= bench.TOKEN_ID_MAX
     assert bench.relabeled(wl, 1).prompts == new.prompts  # seeded: the same on every run
+
+
+# ---- where results go ------------------------------------------------------------------------
+def tracked_state() -> tuple[str, dict[str, int]]:
+    """`git status --porcelain` (untracked files too) and the mtime of every file in docs/."""
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    return status, {str(p): p.stat().st_mtime_ns for p in (REPO / "docs").rglob("*")}
+
+
+def results_files() -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in (REPO / "results").rglob("*") if p.is_file()}
+
+
+@contextlib.contextmanager
+def repo_unchanged(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
+    """Run the block in the repository's root, as a user would, and check that it changed no
+    tracked file and wrote nothing into docs/; yields the list of results/ files it wrote (the
+    new ones are removed afterwards: results/ is git-ignored, so git status cannot see them)."""
+    monkeypatch.chdir(REPO)
+    before, state = results_files(), tracked_state()
+    written: list[Path] = []
+    try:
+        yield written
+        written += sorted(p for p, t in results_files().items() if before.get(p) != t)
+        assert tracked_state() == state, "a benchmark run changed the repository"
+    finally:
+        for path in set(results_files()) - set(before):
+            path.unlink()
+
+
+def test_bench_writes_into_results_not_docs(tiny_model, monkeypatch):
+    """A smoke run and a redraw with no output path: results/, never docs/ or a tracked file."""
+    monkeypatch.setattr(bench, "resolve_model_dir", lambda args, cpu: tiny_model)
+    with repo_unchanged(monkeypatch) as written:
+        bench.main(["--tiny", "--cpu", "--engines", "nanoserve", "--workload", "w2",
+                    "--num-seqs", "2", "--max-input-len", "16", "--max-output-len", "2"])
+        assert json.loads((REPO / "results/bench.json").read_text())["rows"][0]["tokens_per_s"]
+        bench.main(["--plot-from", "results/bench.json"])
+    assert [p.relative_to(REPO).as_posix() for p in written] == ["results/bench.json",
+                                                                  "results/bench.png"]
+
+
+def test_tiny_is_labeled_a_smoke_test(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    assert "--tiny smoke test, not a benchmark" in " ".join(capsys.readouterr().out.split())

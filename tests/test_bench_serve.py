@@ -1,5 +1,6 @@
 """CPU tests of bench_serve.py's client and statistics: a request timed against a canned SSE
-stream, the summary's throughput and percentiles, the arrival schedule, the request bodies."""
+stream, the summary's throughput and percentiles, the arrival schedule, the request bodies; and
+where a preset's results go (results/, not docs/), with the servers faked."""
 import asyncio
 import json
 import math
@@ -12,6 +13,8 @@ import pytest
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_bench import REPO, repo_unchanged  # noqa: E402
+
 import bench_serve  # noqa: E402
 
 GAP_S = 0.05  # between the canned stream's chunks
@@ -77,3 +80,38 @@ def test_arrivals_and_bodies():
     assert nano["prompt"] == [5, 6] and nano["ignore_eos"] and nano["max_tokens"] == 7
     hf = bench_serve.Server("transformers", "u", "m").body([5, 6], 7)
     assert hf["prompt"] == "<5> <6>" and "ignore_eos" not in hf  # it refuses unknown fields
+
+
+def fake_serve_and_measure(name: str, model_dir: str, args, device: str, port: int,
+                           record) -> None:
+    """Each planned run recorded with canned figures: no server, no model."""
+    timed = [bench_serve.RequestResult(True, "", 3, 5, 0.1, 0.2, [0.025] * 4)]
+    for run in bench_serve.plan_runs(args, name):
+        record({"server": name, "label": run.label, "rate": run.rate,
+                **bench_serve.summarize(timed, 1.0)})
+
+
+def test_presets_write_into_results_not_docs(monkeypatch):
+    """--preset cpu and --preset h100 used to rewrite docs/serving_*.json and docs/serving.png:
+    a user's run goes to results/, and the repository is left as it was."""
+    monkeypatch.setattr(bench_serve, "serve_and_measure", fake_serve_and_measure)
+    monkeypatch.setattr(bench_serve, "resolve_model", lambda args, device: "some/model")
+    monkeypatch.setattr(bench_serve, "in_subprocess", lambda fn, *args: (
+        {"cpu": "test"} if fn is bench_serve.hardware_info else 2.0))  # offline W1: 2 s
+    with repo_unchanged(monkeypatch) as written:
+        for preset in ("cpu", "h100"):
+            bench_serve.main(["--preset", preset, "--cpu"])
+        saved = json.loads((REPO / "results/serving_h100.json").read_text())
+        assert {r["label"] for r in saved["runs"]} == {"w1", "all at once", "poisson"}
+        bench_serve.main(["--plot-from", "results/serving_h100.json"])
+    assert [p.relative_to(REPO).as_posix() for p in written] == [
+        "results/serving.png", "results/serving_cpu.json", "results/serving_h100.json"]
+
+
+def test_preset_help_lists_each_preset(capsys):
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "see PRESETS" not in text
+    for name, phrase in bench_serve.PRESET_HELP.items():
+        assert f"{name}: {phrase}" in text

@@ -6,7 +6,11 @@ random Qwen3 with two tensor-parallel ranks, so that shutdown has worker process
 memory to clean up, and sends it SIGTERM mid-stream: the stream must still finish, the process
 exit 0, and nothing it had mapped in /dev/shm be left behind.
 """
+import argparse
 import asyncio
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import shutil
@@ -19,6 +23,7 @@ import threading
 import time
 import types
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
@@ -27,8 +32,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from nanoserve.config import Config
 from nanoserve.llm_engine import RequestOutput
-from nanoserve.server import engine_loop
+from nanoserve.server import cli, engine_loop
 from nanoserve.server.metrics import Metrics
 from nanoserve.weights import default_model_dir
 
@@ -227,31 +233,137 @@ def test_many_streams_share_the_events_of_a_step():
     assert all(tokens == [1, 2, 3, 4] for tokens in got.values()) and not loop.requests
 
 
+# ---- flags -------------------------------------------------------------------------------------
+def test_every_config_field_is_a_flag():
+    help_text = " ".join(cli_help().split())  # argparse wraps lines
+    for f in dataclasses.fields(Config):
+        if f.name != "model":
+            assert f"--{f.name.replace('_', '-')}" in help_text, f.name
+    assert "one of auto, float32, float16, bfloat16 (default: auto)" in help_text
+    assert "tokens per KV block (the paging unit) (default: 16)" in help_text  # the comment
+    args, settings = cli.parse_args(["--device", "cpu", "--no-enable-prefix-caching",
+                                     "--tensor-parallel-size", "2", "--enforce-eager",
+                                     "--num-kvcache-blocks", "64", "--dtype", "bfloat16"])
+    assert settings == {"device": "cpu", "enable_prefix_caching": False, "tensor_parallel_size": 2,
+                        "enforce_eager": True, "num_kvcache_blocks": 64, "dtype": "bfloat16"}
+    assert args.port == cli.DEFAULT_PORT and cli.parse_args([])[1] == {}  # Config's defaults
+    with pytest.raises(SystemExit):  # refused before the model loads
+        cli.parse_args(["--dtype", "float64"])
+
+
+def cli_help() -> str:
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+        cli.parse_args(["--help"])
+    return out.getvalue()
+
+
+@dataclasses.dataclass
+class FutureConfig:
+    """Fields of kinds Config may grow: each must become a flag with no change to cli.py."""
+    cascade_attention: bool = True  # one attention pass over a prefix the batch shares
+    # the drafter: "ngram" or None (off)
+    speculative_method: str | None = None
+    mode: Literal["fast", "exact"] = "fast"  # how drafts are checked
+    num_speculative_tokens: int | None = 4
+    sizes: list[int] = dataclasses.field(default_factory=list, metadata={"help": "batch sizes"})
+
+
+def test_flags_follow_any_dataclass():
+    parser = argparse.ArgumentParser()
+    names = cli.add_config_flags(parser, FutureConfig)
+    assert names == [f.name for f in dataclasses.fields(FutureConfig)]
+    args = vars(parser.parse_args(["--no-cascade-attention", "--speculative-method", "ngram",
+                                   "--num-speculative-tokens", "none", "--mode", "exact",
+                                   "--sizes", "1", "8"]))
+    assert args == {"cascade_attention": False, "speculative_method": "ngram",
+                    "num_speculative_tokens": None, "mode": "exact", "sizes": [1, 8]}
+    assert vars(parser.parse_args(["--cascade-attention", "--num-speculative-tokens", "2"])) == {
+        "cascade_attention": True, "num_speculative_tokens": 2}
+    help_text = " ".join(parser.format_help().split())
+    assert "one attention pass over a prefix the batch shares (default: True)" in help_text
+    assert "the drafter: \"ngram\" or None (off) (default: None)" in help_text  # comment above
+    assert "num speculative tokens (default: 4)" in help_text  # no comment: the name
+    assert "how drafts are checked; one of fast, exact (default: fast)" in help_text
+    assert "batch sizes (default: [])" in help_text  # metadata["help"] first
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "slow"])
+
+
 # ---- faults ------------------------------------------------------------------------------------
-BAD_REQUESTS = [
-    (dict(prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature"),
-    (dict(prompt=""), openai.BadRequestError, "empty prompt"),
-    (dict(prompt=[10**9]), openai.BadRequestError, "vocabulary"),
-    (dict(prompt=PROMPT, max_tokens=10**5), openai.BadRequestError, "max_model_len"),
-    (dict(prompt=PROMPT, logprobs=99), openai.BadRequestError, "logprobs"),
-    (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL),
+BAD_REQUESTS = [  # the request, the error the client raises, words of the message, the `param`
+    (dict(prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature", "temperature"),
+    (dict(prompt=""), openai.BadRequestError, "empty prompt", "prompt"),
+    (dict(prompt=[10**9]), openai.BadRequestError, "vocabulary", "prompt"),
+    (dict(prompt=PROMPT, max_tokens=10**5), openai.BadRequestError, "max_model_len", "prompt"),
+    (dict(prompt=PROMPT, max_tokens=0), openai.BadRequestError, "max_tokens", "max_tokens"),
+    (dict(prompt=PROMPT, logprobs=99), openai.BadRequestError, "logprobs", "logprobs"),
+    (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL, "model"),
 ]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def assert_openai_error(error: dict, param: str | None) -> None:
+    """OpenAI's error object: these four keys, a `type` ending in "error", `param` naming the
+    field at fault, `code` a string or None (never the HTTP status)."""
+    assert set(error) == ERROR_KEYS and error["type"].endswith("error"), error
+    assert error["param"] == param and (error["code"] is None or isinstance(error["code"], str))
 
 
 def test_bad_input_gets_an_openai_error(server):
     client = server.client()
-    for kwargs, error, words in BAD_REQUESTS:
+    for kwargs, error, words, param in BAD_REQUESTS:
         with pytest.raises(error) as e:
             client.completions.create(**{"model": MODEL, "max_tokens": 4, **kwargs})
         assert words in e.value.body["message"] and e.value.body["type"].endswith("error"), kwargs
-    with pytest.raises(openai.BadRequestError, match="messages"):
+        assert_openai_error(e.value.body, param)
+    with pytest.raises(openai.BadRequestError, match="messages") as e:
         client.chat.completions.create(model=MODEL, messages=[])
+    assert_openai_error(e.value.body, "messages")
+    with pytest.raises(openai.BadRequestError) as e:  # chat's k is top_logprobs
+        client.chat.completions.create(messages=QUESTION, logprobs=True, top_logprobs=99,
+                                       **GREEDY)
+    assert_openai_error(e.value.body, "top_logprobs")
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "', headers=headers)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert_openai_error(r.json()["error"], None)
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL}, headers=headers)
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    assert_openai_error(r.json()["error"], "prompt")
     assert client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text  # still serving
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"model": MODEL}, "prompt", "missing_required_parameter"),
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": PROMPT, "temperature": [1]}, "temperature", "invalid_type"),
+])
+def test_validation_error_is_a_400_naming_the_field(server, body, param, code):
+    """FastAPI's 422 {"detail": [...]} becomes OpenAI's 400 with the field as `param`."""
+    r = httpx.post(f"{server.url}/v1/completions", json=body,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and "detail" not in r.json()
+    assert_openai_error(r.json()["error"], param)
+    assert r.json()["error"]["code"] == code and param in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # the official client reads it too
+        server.client().post("/completions", body=body, cast_to=object)
+    assert e.value.body["param"] == param and e.value.body["code"] == code
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.get(f"{server.url}/v1/nothing-here", headers=headers)
+    assert r.status_code == 404 and "detail" not in r.json()
+    assert_openai_error(r.json()["error"], None)
+    assert r.json()["error"]["code"] == "unknown_url"
+    assert "/v1/nothing-here" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/completions", headers=headers)  # a POST route
+    assert r.status_code == 405 and "detail" not in r.json() and r.headers["allow"] == "POST"
+    assert_openai_error(r.json()["error"], None)
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    with pytest.raises(openai.NotFoundError) as e:  # the official client on an unknown route
+        server.client().get("/nothing-here", cast_to=httpx.Response)
+    assert_openai_error(e.value.body, None)
 
 
 def test_api_key(server):
@@ -259,6 +371,7 @@ def test_api_key(server):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
 
 

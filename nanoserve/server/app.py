@@ -15,8 +15,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from nanoserve.config import SamplingParams
 from nanoserve.llm_engine import LLMEngine
 from nanoserve.server.engine_loop import EVENTS_PER_STEP, EngineLoop, RequestStream
 from nanoserve.server.metrics import Metrics
@@ -75,7 +77,7 @@ def openai_routes(loop: EngineLoop, model_name: str, api_key: str | None) -> API
         check_model(body.model, model_name)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
-        stream = await loop.submit(body.single_prompt(), params)  # ValueError: a 400
+        stream = await submit(loop, body.single_prompt(), params, body)
         completion = Completion(ResponseHead("completion", model_name), engine.tokenizer,
                                 body.logprobs)
         return await respond(completion, stream, body, request)
@@ -88,15 +90,20 @@ def openai_routes(loop: EngineLoop, model_name: str, api_key: str | None) -> API
             body.max_completion_tokens)
         max_tokens = room_left(engine, prompt) if limit is None else limit
         logprobs = body.engine_logprobs()
-        stream = await loop.submit(prompt, body.sampling_params(max_tokens, logprobs))
+        stream = await submit(loop, prompt, body.sampling_params(max_tokens, logprobs), body)
         chat = ChatCompletion(ResponseHead("chat", model_name), engine.tokenizer, logprobs)
         return await respond(chat, stream, body, request)
 
     return v1
 
 
-# ---- checks --------------------------------------------------------------------------------------
+# ---- errors ------------------------------------------------------------------------------------
+ROUTES = ("GET /health, GET /metrics, GET /v1/models, POST /v1/completions, "
+          "POST /v1/chat/completions")
+
+
 def add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape, FastAPI's own (404, 405, 422) included."""
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -107,8 +114,39 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)  # malformed JSON, missing or mistyped fields
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(describe(err) for err in e.errors())
-        return JSONResponse(OpenAIError(400, problems).body(), status_code=400)
+        return JSONResponse(validation_error(e.errors()).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)  # routing: no such route, or wrong method
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        error = routing_error(request, e.status_code, e.detail)
+        return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)  # a bug: still a body an OpenAI client can read
+    async def server_error(request: Request, e: Exception) -> JSONResponse:
+        message = f"internal error ({type(e).__name__}: {e}); the server log has the traceback"
+        return JSONResponse(OpenAIError(500, message).body(), status_code=500)
+
+
+def routing_error(request: Request, status: int, detail: str) -> OpenAIError:
+    where = f"{request.method} {request.url.path}"
+    if status == 404:
+        return OpenAIError(404, f"no route {where}: the routes are {ROUTES}", None, "unknown_url")
+    if status == 405:
+        return OpenAIError(405, f"{where} is not allowed: the routes are {ROUTES}", None,
+                           "method_not_allowed")
+    return OpenAIError(status, f"{where}: {detail}")
+
+
+def validation_error(errors: list[dict]) -> OpenAIError:
+    """pydantic's errors as one 400: every problem in the message, the first one's field as
+    `param`, and OpenAI's code for a missing or a mistyped field."""
+    message = "; ".join(describe(err) for err in errors)
+    first = errors[0] if errors else {"type": "", "loc": ()}
+    if first["type"] == "json_invalid":
+        return OpenAIError(400, message)
+    param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_type"
+    return OpenAIError(400, message, param, code)
 
 
 def describe(err: dict) -> str:
@@ -119,37 +157,51 @@ def describe(err: dict) -> str:
     return f"{where or 'body'}: {err['msg']}"
 
 
+# ---- checks --------------------------------------------------------------------------------------
 def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     """A dependency of every /v1 route, checked before the body is: with --api-key, a request
     must carry `Authorization: Bearer <api_key>`."""
     async def check(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             raise OpenAIError(401, "missing or wrong API key: send the header "
-                                   "'Authorization: Bearer <key>' with the server's --api-key")
+                                   "'Authorization: Bearer <key>' with the server's --api-key",
+                              None, "invalid_api_key")
     return check
 
 
 def check_model(asked: str, served: str) -> None:
     if asked != served:
         raise OpenAIError(404, f"the model '{asked}' does not exist: this server serves "
-                               f"'{served}' (see GET /v1/models)")
+                               f"'{served}' (see GET /v1/models)", "model", "model_not_found")
 
 
 def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, ending where the assistant's turn starts."""
     if not body.messages:
-        raise ValueError("messages is empty: send at least one {'role': 'user', 'content': ...}")
+        raise OpenAIError(400, "messages is empty: send at least one {'role': 'user', "
+                               "'content': ...}", "messages", "invalid_value")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
+
+
+async def submit(loop: EngineLoop, prompt: str | list[int], params: SamplingParams,
+                 body: CompletionRequest | ChatCompletionRequest) -> RequestStream:
+    """The request into the engine; the engine's refusal of the prompt (empty, outside the
+    vocabulary, past max_model_len) is a 400 that blames the prompt's field."""
+    try:
+        return await loop.submit(prompt, params)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), body.prompt_param) from e
 
 
 def room_left(engine: LLMEngine, prompt: list[int]) -> int:
     """Chat's default max_tokens: whatever the context has left after the prompt."""
     room = engine.config.max_model_len - len(prompt)
     if room < 1:
-        raise ValueError(f"the conversation is {len(prompt)} tokens, which fills max_model_len="
-                         f"{engine.config.max_model_len}: shorten it")
+        raise OpenAIError(400, f"the conversation is {len(prompt)} tokens, which fills "
+                               f"max_model_len={engine.config.max_model_len}: shorten it",
+                          "messages", "context_length_exceeded")
     return room
 
 

@@ -7,17 +7,24 @@ lets in-flight requests finish (up to --shutdown-timeout, then aborts them), the
 the engine, and the process exits 0.
 """
 import argparse
+import ast
 import inspect
+import io
+import json
 import logging
 import os
-import re
 import signal
 import sys
-from dataclasses import MISSING, Field, fields
+import textwrap
+import tokenize
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, fields
 
 import uvicorn
 
-from nanoserve.config import Config
+from nanoserve.config import DTYPES, Config
 from nanoserve.llm_engine import LLMEngine
 from nanoserve.server.app import build_app
 from nanoserve.server.engine_loop import EVENTS_PER_STEP
@@ -30,22 +37,87 @@ SHUTDOWN_TIMEOUT_S = 30  # how long in-flight requests may run on after SIGTERM
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def field_comments() -> dict[str, str]:
-    """Config's field comments (`name: type = default  # comment`), the flags' help text."""
-    pattern = re.compile(r"^\s+(\w+): [^=]+(?:=[^#]*)?#\s*(.*)$")
-    lines = inspect.getsource(Config).splitlines()
-    return {m[1]: m[2] for m in map(pattern.match, lines) if m}
+# ---- engine settings as flags -------------------------------------------------------------------
+# Values a flag accepts beyond what its type says, checked before the model loads.
+CHOICES = {"dtype": ("auto", *DTYPES)}
 
 
-def add_config_flag(parser: argparse.ArgumentParser, f: Field, help_text: str) -> None:
-    flag = "--" + f.name.replace("_", "-")
-    default = f"(default: {f.default})" if f.default is not MISSING else ""
-    kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{help_text} {default}"}
-    if f.type is bool:
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-    else:  # int, float, str, or `int | None`: the first non-None type parses the value
-        kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
-        parser.add_argument(flag, type=kind, **kwargs)
+def field_comments(cls: type) -> dict[str, str]:
+    """The comment of each field of a dataclass, read with ast and tokenize: the one trailing
+    the field's line (`name: type = default  # comment`), else the comment lines just above it."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (a frozen app): the flags go without help
+        return {}
+    lines = source.splitlines()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    # comment lines of their own, not the trailing comment of the field above
+    alone = {n: text for n, text in comments.items() if lines[n - 1].lstrip().startswith("#")}
+    found = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            above = []
+            while node.lineno - len(above) - 1 in alone:
+                above.insert(0, alone[node.lineno - len(above) - 1])
+            text = comments.get(node.end_lineno) or " ".join(above)
+            if text:
+                found[node.target.id] = text
+    return found
+
+
+def parse_optional(kind: Callable[[str], object]) -> Callable[[str], object]:
+    """`kind`, or None for "none": the value of an `X | None` flag."""
+    def parse(text: str) -> object:
+        return None if text.lower() == "none" else kind(text)
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in errors
+    return parse
+
+
+def flag_kwargs(hint: object) -> dict:
+    """argparse's type, nargs, choices or action for a field's type hint: bool, int, float, str,
+    a Literal, `X | None`, list[X] or tuple[X, ...]; anything else is parsed as JSON."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if hint in (int, float, str):
+        return {"type": hint}
+    if origin is typing.Literal:
+        return {"type": type(args[0]), "choices": args}
+    if origin in (list, tuple) and args:
+        return {"type": args[0], "nargs": "*"}
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:  # X | None
+        inner = flag_kwargs(args[0])
+        if "type" in inner and "nargs" not in inner:
+            return {**inner, "type": parse_optional(inner["type"])}
+        return inner
+    return {"type": json.loads}
+
+
+def add_config_flags(parser: argparse._ActionsContainer, cls: type,
+                     skip: tuple[str, ...] = ()) -> list[str]:
+    """One --flag per field of the dataclass cls (dashes for underscores), its help the field's
+    metadata["help"], else its comment, else its name; the names of the fields added. A flag left
+    out stays out of the namespace (SUPPRESS), so the dataclass's own default applies."""
+    hints, comments, names = typing.get_type_hints(cls), field_comments(cls), []
+    for f in fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        default = (f.default if f.default is not MISSING else
+                   f.default_factory() if f.default_factory is not MISSING else None)
+        text = f.metadata.get("help") or comments.get(f.name) or f.name.replace("_", " ")
+        kwargs = flag_kwargs(hints[f.name])
+        if choices := f.metadata.get("choices", CHOICES.get(f.name)):
+            kwargs["choices"] = choices
+        if "choices" in kwargs:  # listed in the help too: argparse wraps its own list badly
+            text += f"; one of {', '.join(map(str, kwargs['choices']))}"
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                            default=argparse.SUPPRESS, help=f"{text} (default: {default})",
+                            **kwargs)
+        names.append(f.name)
+    return names
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -68,12 +140,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
                              "them in turns, several tokens an event (0: one per output)")
     parser.add_argument("--log-level", default="info")
     config = parser.add_argument_group("engine settings (nanoserve.config.Config)")
-    comments = field_comments()
-    for f in fields(Config):
-        if f.name != "model":
-            add_config_flag(config, f, comments.get(f.name, ""))
+    names = add_config_flags(config, Config, skip=("model",))  # --model is the server's own
     args = parser.parse_args(argv)
-    names = {f.name for f in fields(Config)} - {"model"}
     return args, {k: v for k, v in vars(args).items() if k in names}
 
 

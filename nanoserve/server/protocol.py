@@ -7,7 +7,8 @@ engine loop (app.py, engine_loop.py). Unknown fields are ignored, as OpenAI's cl
 """
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedTokenizerBase
@@ -19,18 +20,31 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat default
 
 
 class OpenAIError(Exception):
-    """An error the client caused: sent as {"error": {"message", "type", "code"}} with `status`."""
+    """An error the client caused, sent with `status` as OpenAI's body: {"error": {"message",
+    "type", "param", "code"}}. `param` names the request field at fault (None: no one field);
+    `code` is OpenAI's machine-readable string, e.g. "model_not_found", or None."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error"}
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": None,
-                          "code": self.status}}
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def field_at_fault(message: str) -> str | None:
+    """The SamplingParams field a refusal starts with ("temperature must be ..."), if any."""
+    first = message.split(" ", 1)[0]
+    return first if first in SAMPLING_FIELDS else None
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -54,19 +68,29 @@ class SamplingRequest(BaseModel):
     top_k: int | None = None  # 0 or -1: off
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_param: ClassVar[str] = "prompt"  # the field an engine refusal of the prompt blames
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError (a 400) naming the bad value."""
+        """The engine's SamplingParams; a bad value is a 400 whose `param` names its field."""
         if self.n != 1:
-            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
+            raise OpenAIError(400, f"n must be 1 (one choice per request), got {self.n}", "n",
+                              "invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
-            max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids or [], seed=self.seed, stop=stop,
-            logprobs=logprobs)
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k,
+                max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids or [], seed=self.seed, stop=stop,
+                logprobs=logprobs)
+        except ValueError as e:  # SamplingParams' checks name the field first
+            name = field_at_fault(str(e))
+            raise OpenAIError(400, str(e), self.param_name(name), "invalid_value") from e
+
+    def param_name(self, name: str | None) -> str | None:
+        """The request field behind a SamplingParams field (they differ in chat)."""
+        return name
 
 
 class CompletionRequest(SamplingRequest):
@@ -78,7 +102,8 @@ class CompletionRequest(SamplingRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"send one prompt per request, got a list of {len(prompt)}")
+                raise OpenAIError(400, f"send one prompt per request, got a list of "
+                                       f"{len(prompt)}", "prompt", "invalid_value")
             prompt = prompt[0]
         return prompt
 
@@ -106,8 +131,17 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None  # with logprobs: how many likeliest tokens per position
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
 
+    prompt_param: ClassVar[str] = "messages"
+
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def param_name(self, name: str | None) -> str | None:
+        if name == "logprobs":  # chat's k is top_logprobs
+            return "top_logprobs"
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return name
 
 
 # ---- responses ---------------------------------------------------------------------------------
