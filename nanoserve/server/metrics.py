@@ -47,12 +47,11 @@ class Metrics:
                                    buckets=STEP_SIZE_BUCKETS, registry=r)
 
     def observe_engine(self, engine: LLMEngine) -> None:
-        """Queue lengths and KV usage, as the engine holds them now."""
-        scheduler = engine.scheduler
-        blocks = scheduler.block_manager
-        self.num_running.set(len(scheduler.running))
-        self.num_waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(1 - blocks.num_free_blocks / max(len(blocks.blocks), 1))
+        """Queue lengths and KV usage, as the engine holds them now (Scheduler.stats)."""
+        stats = engine.scheduler.stats()
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(1 - stats.num_free_blocks / max(stats.num_blocks, 1))
 
     def observe_output(self, out: RequestOutput, seconds: float, first: bool) -> None:
         """One request's output of a step: seconds since its arrival (first) or last output."""
