@@ -308,12 +308,14 @@ class LLMEngine:
         texts: dict[int, str] = {}
         self.scheduler.add(*seqs)
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
-        rates = ThroughputMeter()
         ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
+        start, num_tokens = time.perf_counter(), 0
         try:
             while len(texts) < len(seqs):  # each sequence finishes once
                 finished, batch = self.step()
-                bar.set_postfix_str(rates.update(batch), refresh=False)
+                num_tokens += len(batch.seqs)  # a token each, but for prompt chunks
+                rate = num_tokens / (time.perf_counter() - start)
+                bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
                 for seq in finished:
                     if seq.seq_id in ids:
                         text = self.streams.get(seq.seq_id)  # with stop strings: cut there
@@ -351,22 +353,6 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-class ThroughputMeter:
-    """Prefill and decode tokens/s for the progress bar, each over all the steps of its kind so
-    far: a single step's rate means little when, with overlap, a step can return at once."""
-
-    def __init__(self) -> None:
-        # [decode, prefill], indexed by batch.is_prefill; the time of the last update
-        self.tokens, self.seconds, self.last = [0, 0], [0.0, 0.0], time.perf_counter()
-
-    def update(self, batch: Batch) -> str:
-        last, self.last = self.last, time.perf_counter()
-        self.tokens[batch.is_prefill] += sum(batch.num_new_tokens)
-        self.seconds[batch.is_prefill] += self.last - last
-        decode, prefill = (n / max(s, 1e-9) for n, s in zip(self.tokens, self.seconds))
-        return f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s"
 
 
 LLM = LLMEngine

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_ref import paged_decode_ref
 from sampling_ref import philox4x32, sample_philox_ref
 from torch import Tensor
 
@@ -297,7 +298,7 @@ def check_paged_decode_interpreted(decode_fn, group: int, Hkv: int, D: int, B: i
     q = torch.randn(len(context_lens), group * Hkv, D)  # (S, H, D)
     args = (q, k_cache, v_cache, block_tables, ctx, D**-0.5)
     out = decode_fn(*args)
-    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
     assert torch.all(out[-1] == 0)  # context_len 0: zeros, not NaN
 
 
@@ -330,7 +331,7 @@ def test_paged_decode_tile_variants_interpreted(tile: int, group_pad: int) -> No
         mp.setattr(decode, "MIN_GROUP_ROWS", group_pad)
         mp.setattr(decode, "NUM_STAGES", 1)
         out = kernels.paged_decode(*args)
-    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
 
 
 @interpreted
@@ -346,7 +347,7 @@ def test_cascade_decode_tile_variants_interpreted(blocks_per_iter: int, group_pa
         mp.setattr(decode, "MIN_GROUP_ROWS", group_pad)
         mp.setattr(cascade, "DECODE_NUM_STAGES", 1)
         out = cascade_decode(*args, num_splits=2)
-    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
 
 
 @interpreted
@@ -359,7 +360,7 @@ def test_paged_decode_fp16_interpreted(decode_fn) -> None:
     q = torch.randn(2, 4, 64, dtype=torch.float16)
     out = decode_fn(q, k_cache, v_cache, block_tables, ctx, 0.125)
     assert out.dtype == torch.float16
-    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125)
+    ref = paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.125)
     torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
 
 
@@ -374,7 +375,7 @@ def test_paged_decode_fp8_interpreted(torch_fp8_casts: None, group: int, Hkv: in
     q = torch.randn(5, group * Hkv, D).bfloat16()  # (S, H, D)
     out = kernels.paged_decode(q, *kv, D**-0.5)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, kernels.paged_decode_ref(q, *kv, D**-0.5), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, paged_decode_ref(q, *kv, D**-0.5), atol=2e-2, rtol=2e-2)
     assert torch.all(out[-1] == 0)
 
 
@@ -397,7 +398,7 @@ def test_cascade_decode_fp8_interpreted(torch_fp8_casts: None, group: int, Hkv: 
     P = torch.tensor([2], dtype=torch.int32) if cascade else None
     out = cascade_decode(q, *kv, D**-0.5, num_common_blocks=P, num_splits=num_splits)
     assert out.dtype == torch.bfloat16
-    ref = kernels.paged_decode_ref(q, *kv, D**-0.5)
+    ref = paged_decode_ref(q, *kv, D**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     assert torch.all(out[-1] == 0)
 
@@ -421,7 +422,7 @@ def test_cascade_decode_prefix_interpreted(group: int, Hkv: int, D: int, num_com
     P = torch.tensor([num_common], dtype=torch.int32)
     args = (q, k_cache, v_cache, block_tables, ctx, D**-0.5)
     out = cascade_decode(*args, num_common_blocks=P, num_splits=num_splits)
-    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, paged_decode_ref(*args), atol=1e-5, rtol=1e-5)
     plain = cascade_decode(*args, num_splits=num_splits)
     torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, kernels.paged_decode(*args), atol=1e-5, rtol=1e-5)  # the core
@@ -442,7 +443,7 @@ def test_cascade_decode_row_tiles_interpreted(num_splits: int) -> None:
         mp.setattr(cascade, "CASCADE_ROWS", 16)
         out = cascade_decode(q, *kv, 0.125, num_common_blocks=P, num_splits=num_splits)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out, kernels.paged_decode_ref(q, *kv, 0.125), atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(out, paged_decode_ref(q, *kv, 0.125), atol=5e-3, rtol=5e-3)
 
 
 @interpreted
@@ -660,7 +661,7 @@ def test_paged_decode_ref_matches_prefill_ref() -> None:
     k, v = kernels.gather_kv(k_cache, v_cache, slots, q.dtype)
     one_query = cu_seqlens([1] * len(lens))  # each sequence's newest token is its only query
     prefill = kernels.prefill_attention_ref(q, k, v, one_query, cu_seqlens(lens), 1, max(lens), 0.2)
-    decoded = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.2)
+    decoded = paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, 0.2)
     torch.testing.assert_close(decoded, prefill)
 
 
@@ -738,7 +739,7 @@ def check_paged_decode_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int
     args = (q, k_cache, v_cache, block_tables, ctx, D**-0.5)
     out = (kernels.paged_decode(*args) if num_splits == "core"
            else cascade_decode(*args, num_splits=num_splits))
-    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), **TOL[dtype])
+    torch.testing.assert_close(out, paged_decode_ref(*args), **TOL[dtype])
     assert torch.all(out[3] == 0)
 
 
@@ -873,7 +874,7 @@ def test_decode_cuda_graph_gpu(cache_dtype: torch.dtype, decode_fn) -> None:
         # bit for bit (unused cache slots hold NaN on purpose)
         assert torch.equal(k_graph.view(torch.uint8), k_cache.view(torch.uint8))
         assert torch.equal(v_graph.view(torch.uint8), v_cache.view(torch.uint8))
-        ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
+        ref = paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
         torch.testing.assert_close(eager, ref, **TOL[torch.bfloat16])
 
 
@@ -896,7 +897,7 @@ def test_cascade_decode_prefix_gpu(num_splits: int | None, cache_dtype: torch.dt
     args = make_cascade_decode(256, 64, cache_dtype=cache_dtype)
     P = torch.tensor([64], dtype=torch.int32, device="cuda")
     out = cascade_decode(*args, num_common_blocks=P, num_splits=num_splits)
-    torch.testing.assert_close(out, kernels.paged_decode_ref(*args), **TOL[torch.bfloat16])
+    torch.testing.assert_close(out, paged_decode_ref(*args), **TOL[torch.bfloat16])
 
 
 @gpu
@@ -915,7 +916,7 @@ def test_cascade_decode_prefix_cuda_graph_gpu() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graph_out = step()
-    ref = kernels.paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, scale)
+    ref = paged_decode_ref(q, k_cache, v_cache, block_tables, ctx, scale)
     for num_common in (64, 0, 32):
         P.fill_(num_common)
         graph_out.zero_()

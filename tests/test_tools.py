@@ -17,10 +17,10 @@ def test_rounded_store_rounds_only_one_part(part: str) -> None:
     torch.manual_seed(0)
     key, value = torch.randn(4, 2, 16) * 3, torch.randn(4, 2, 16) * 3  # (N, Hkv, D)
     k_cache, v_cache = torch.zeros(2, 2, 2, 16), torch.zeros(2, 2, 2, 16)  # (blocks, B, Hkv, D)
-    store = kernels.store_kvcache_ref
+    store = kernels.store_kv
     with fp8_accuracy.rounded_store(part):
-        kernels.store_kvcache_ref(key, value, k_cache, v_cache, torch.arange(4))
-    assert kernels.store_kvcache_ref is store and rotary.store_kvcache_ref is store  # restored
+        kernels.store_kv(key, value, k_cache, v_cache, torch.arange(4))
+    assert kernels.store_kv is store and rotary.store_kv is store  # restored
     stored = {"k": k_cache.view(4, 2, 16), "v": v_cache.view(4, 2, 16)}
     original = {"k": key, "v": value}
     other = "v" if part == "k" else "k"
@@ -94,18 +94,21 @@ def test_jitter_moves_each_value_by_less_than_its_bound() -> None:
 
 
 def test_jittered_rounding_tips_ties_both_ways_in_the_store_and_the_round_trip() -> None:
-    from nanoserve.layers import fp8_round_trip
+    from nanoserve.layers import cache_round_trip
+
+    def to_fp8(x: torch.Tensor) -> torch.Tensor:  # whatever rotary.to_cache_dtype is now
+        return rotary.to_cache_dtype(x, torch.float8_e4m3fn)
     e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2^-9..448
     ties = (e4m3[:-1] + e4m3[1:]) / 2  # halfway between neighbours: exact in float32
-    plain = rotary.to_fp8(ties).float()
+    plain = to_fp8(ties).float()
     with fp8_accuracy.jittered_rounding(run=3):
-        tipped = rotary.to_fp8(ties).float()
-        k, v = fp8_round_trip(ties, ties)
+        tipped = rotary.to_cache_dtype(ties, torch.float8_e4m3fn).float()
+        k, v = cache_round_trip(ties, ties, torch.float8_e4m3fn)
         # (blocks, B, Hkv, D) each
         k_cache, v_cache = (torch.zeros(2, 16, 1, 125, dtype=torch.float8_e4m3fn) for _ in "kv")
-        kernels.store_kvcache_ref(ties.view(1, 1, 125), ties.view(1, 1, 125), k_cache, v_cache,
-                                  torch.tensor([5]))
-    assert rotary.to_fp8(ties).float().equal(plain)  # restored
+        kernels.store_kv(ties.view(1, 1, 125), ties.view(1, 1, 125), k_cache, v_cache,
+                         torch.tensor([5], dtype=torch.int32))
+    assert to_fp8(ties).float().equal(plain)  # restored
     up, down = tipped == e4m3[1:], tipped == e4m3[:-1]
     assert (up | down).all() and up.sum() > 30 and down.sum() > 30  # ties to even would go 62/63
     assert not tipped.equal(plain)

@@ -155,18 +155,18 @@ def rounded_store(part: str):
     (as an fp8 cache would) before writing them into a cache in the model's dtype."""
     from nanoserve import kernels
     from nanoserve.kernels import rotary
-    store = rotary.store_kvcache_ref
+    store = rotary.store_kv
 
     def store_rounded(key: Tensor, value: Tensor, *caches_and_slots: Tensor) -> None:
         def rounded(x: Tensor) -> Tensor:  # as an fp8 cache stores it, back in x's dtype
-            return rotary.to_fp8(x).to(x.dtype)
+            return rotary.to_cache_dtype(x, torch.float8_e4m3fn).to(x.dtype)
         key, value = (rounded(key), value) if part == "k" else (key, rounded(value))
         store(key, value, *caches_and_slots)
-    rotary.store_kvcache_ref = kernels.store_kvcache_ref = store_rounded  # both callers' names
+    rotary.store_kv = kernels.store_kv = store_rounded  # both callers' names
     try:
         yield
     finally:
-        rotary.store_kvcache_ref = kernels.store_kvcache_ref = store
+        rotary.store_kv = kernels.store_kv = store
 
 
 def jitter(x: Tensor, run: int) -> Tensor:
@@ -182,14 +182,18 @@ def jitter(x: Tensor, run: int) -> Tensor:
 @contextlib.contextmanager
 def jittered_rounding(run: int):
     """Within it, every rounding to e4m3 (the CPU store, the prefill's round trip and the
-    transformers probe all call rotary.to_fp8) rounds jitter(x, run) in the place of x."""
+    transformers probe all call kernels.to_cache_dtype) rounds jitter(x, run) in the place of x."""
+    from nanoserve import kernels
     from nanoserve.kernels import rotary
-    to_fp8 = rotary.to_fp8
-    rotary.to_fp8 = lambda x: to_fp8(jitter(x, run))
+    to_cache_dtype = rotary.to_cache_dtype
+
+    def jittered(x: Tensor, dtype: torch.dtype) -> Tensor:
+        return to_cache_dtype(jitter(x, run) if dtype == torch.float8_e4m3fn else x, dtype)
+    rotary.to_cache_dtype = kernels.to_cache_dtype = jittered  # both callers' names
     try:
         yield
     finally:
-        rotary.to_fp8 = to_fp8
+        rotary.to_cache_dtype = kernels.to_cache_dtype = to_cache_dtype
 
 
 def kv_difference_from_transformers(asked: list[str], num_prompts: int = 4) -> dict:
@@ -238,7 +242,7 @@ def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
     if probe:
         reference = probe_greedy(probe_model(model_dir, "sdpa"), prompts)
-        rounded = probe_model(model_dir, "e4m3_rounded")  # rounds through to_fp8 at each call
+        rounded = probe_model(model_dir, "e4m3_rounded")  # rounds at each call
     else:
         with LLM(model_dir) as llm:
             reference = generate(llm, prompts, params)
@@ -307,10 +311,11 @@ def probe_model(model_dir: str, attention: str):
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from nanoserve.layers import fp8_round_trip
+    from nanoserve.layers import cache_round_trip
 
     def rounded_attention(module, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
-        return sdpa_attention_forward(module, q, *fp8_round_trip(k, v), *args, **kwargs)
+        rounded = cache_round_trip(k, v, torch.float8_e4m3fn)
+        return sdpa_attention_forward(module, q, *rounded, *args, **kwargs)
     AttentionInterface.register("e4m3_rounded", rounded_attention)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                 attn_implementation=attention).eval()

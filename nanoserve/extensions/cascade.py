@@ -262,7 +262,7 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     Callers use it for big batches only: on small ones the extra launch costs more than it saves.
     """
     if not use_triton(q):  # same math either way: the prefix changes only how often kernels read it
-        return decode.paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return decode.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     decode._check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
     group, cascade = H // Hkv, num_common_blocks is not None

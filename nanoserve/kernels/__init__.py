@@ -8,7 +8,7 @@ with Triton's interpreter (CI). Invariant: no kernel syncs with the host, so dec
 # ruff: noqa: F401  (this module only re-exports the public names of its submodules)
 
 from .common import INTERPRETED, use_triton
-from .decode import paged_decode, paged_decode_ref
+from .decode import paged_decode
 from .prefill import context_slots, gather_kv, prefill_attention, prefill_attention_ref
 from .rotary import rms_norm_ref, rotary_ref, store_kv, to_cache_dtype
 from .sampling import sample, sample_ref

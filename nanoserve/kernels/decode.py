@@ -1,8 +1,9 @@
 """Paged decode: one new query token per sequence attends to its context in the paged KV cache.
 
-Owns the core decode kernel and paged_decode_ref, the plain-torch oracle (and CPU path) it must
-match. Program (KV head, sequence) walks the sequence's blocks with an online softmax for the GROUP
-= H // Hkv query heads of that KV head, so K/V are read once per group. Invariant: no host sync, a
+Owns the core decode kernel; on the CPU, decode is the prefill reference over each sequence's
+gathered context (tests/decode_ref.py holds the kernel's plain-torch oracle). Program (KV head,
+sequence) walks the sequence's blocks with an online softmax for the GROUP = H // Hkv query heads
+of that KV head, so K/V are read once per group. Invariant: no host sync, a
 grid from shapes only (CUDA-graph safe). Called by layers.Attention; extensions/cascade.py builds
 split-KV and cascade attention on _attend_tile. KV cache: (num_blocks, B, Hkv, D), slot = block_id
 * B + offset, in the model's dtype or fp8 e4m3 (dequantized in registers).
@@ -15,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve.kernels.common import use_triton
+from nanoserve.kernels.prefill import context_slots, gather_kv, prefill_attention_ref
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is one instruction on the GPU
 TILE_TOKENS = 64  # K/V rows per loop step, whole blocks: more bytes in flight per program
@@ -111,8 +113,12 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     row, zeros out). D and B powers of two >= 16. Output in q's dtype; fp32 accumulation (fp32
     inputs run the products in TF32). No host sync, grid from shapes only: safe in a CUDA graph.
     """
-    if not use_triton(q):
-        return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if not use_triton(q):  # the CPU: each context gathered, then the prefill reference
+        cu_k = F.pad(context_lens.cumsum(0), (1, 0)).int()  # (S+1,)
+        slots = context_slots(block_tables, cu_k, k_cache.shape[1], int(cu_k[-1]))
+        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)  # one query per sequence
+        return prefill_attention_ref(q, *gather_kv(k_cache, v_cache, slots, q.dtype), cu_q, cu_k,
+                                     1, int(context_lens.max()), scale)
     _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
     out = q.new_empty(S, H, D)  # (S, H, D)
@@ -122,32 +128,4 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=H // Hkv, GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(H // Hkv)),
         HEAD_DIM=D, BLOCK_SIZE=B, TILE=tile, NUM_STAGES=NUM_STAGES)
-    return out
-
-
-def paged_decode_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                     context_lens: Tensor, scale: float, chunk: int = 32) -> Tensor:
-    """Plain-torch paged decode (CPU path and test oracle; syncs once): `chunk` sequences at a time,
-    their blocks gathered from the cache, padded to the chunk's longest context and masked. Reads no
-    block-table entry past a sequence's blocks (those may hold garbage) and zeroes the padding, so
-    garbage in the cache, even NaN, never reaches the output."""
-    (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
-    assert H % Hkv == 0 and block_tables.shape[0] == S and context_lens.shape == (S,)
-    out = torch.zeros_like(q)  # (S, H, D); context_len 0 (a padded graph row) attends to nothing
-    for c in range(0, S, chunk):
-        lens = context_lens[c:c + chunk].long()  # (C,)
-        num_blocks = int(lens.max() + B - 1) // B  # host sync
-        valid = torch.arange(num_blocks * B, device=q.device) < lens[:, None]  # (C, L)
-        # a block is the sequence's when its first token is: later table entries are never read
-        blocks = torch.where(valid[:, ::B], block_tables[c:c + chunk, :num_blocks], 0)  # (C, nb)
-        # (C, nb, B, Hkv, D) -> (C, L, Hkv, D) in fp32; the padding zeroed (only its rows, the cheap
-        # way): a masked score must not be NaN + (-inf), nor a zero weight times a NaN value
-        k, v = (cache[blocks].flatten(1, 2).float() for cache in (k_cache, v_cache))
-        padding = (~valid).flatten().nonzero().squeeze(1)  # (P,) rows of (C * L)
-        k.view(-1, Hkv, D).index_fill_(0, padding, 0.0)
-        v.view(-1, Hkv, D).index_fill_(0, padding, 0.0)
-        o = F.scaled_dot_product_attention(q[c:c + chunk, :, None].float(), k.transpose(1, 2),
-                                           v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-                                           scale=scale, enable_gqa=True)  # (C, H, 1, D)
-        out[c:c + chunk] = torch.where(lens[:, None, None] > 0, o[:, :, 0], 0.0)  # (C, H, D)
     return out
