@@ -61,12 +61,6 @@ class StepOutput:
             self.copied.synchronize()
         return self.host.tolist()
 
-    def select(self, rows: list[int]) -> "StepOutput":
-        """The output of rows only (after tolist(): the copies are done)."""
-        index = torch.tensor(rows, dtype=torch.long)
-        return StepOutput(self.token_ids[index.to(self.token_ids.device)], self.host[index], None,
-                          {name: tuple(t[index] for t in ts) for name, ts in self.extras.items()})
-
 
 class SamplingHook:
     """Extension point "the logits before sampling" (and after): no-ops here."""

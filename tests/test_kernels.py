@@ -23,11 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from decode_ref import paged_decode_ref
+from fused_ref import rotary_and_store_ref
 from sampling_ref import philox4x32, sample_philox_ref
 from torch import Tensor
 
 from nanoserve import kernels
-from nanoserve.extensions import cascade
+from nanoserve.extensions import cascade, fused
 from nanoserve.extensions.cascade import cascade_decode
 from nanoserve.kernels import decode, sampling
 from nanoserve.layers import RotaryEmbedding
@@ -145,8 +146,8 @@ def check_rotary_and_store(args: dict, qk_norm: bool, store: bool, tol: dict) ->
     if not store:
         args["k_cache"] = args["v_cache"] = torch.tensor([], device=args["q"].device)
     ref_args = {name: t.clone() if isinstance(t, Tensor) else t for name, t in args.items()}
-    q_ref, k_ref = kernels.rotary_and_store_ref(**ref_args)
-    q, k = kernels.rotary_and_store(**args)
+    q_ref, k_ref = rotary_and_store_ref(**ref_args)
+    q, k = fused.rotary_and_store(**args)
     assert q.data_ptr() == args["q"].data_ptr() and k.data_ptr() == args["k"].data_ptr()  # in place
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(k, k_ref, **tol)
@@ -191,7 +192,7 @@ def torch_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> None:
 @interpreted
 @pytest.mark.parametrize("H, Hkv, D", [(16, 8, 128), (9, 3, 64)])
 def test_rotary_and_store_fp8_interpreted(torch_fp8_casts: None, H: int, Hkv: int, D: int) -> None:
-    """The store quantizes to e4m3 in its cast, as store_kvcache_ref does."""
+    """The store quantizes to e4m3 in its cast, as the reference store does."""
     args = make_rotary_inputs(9, H, Hkv, D, torch.float32, cache_dtype=FP8)
     args["v"][1] *= 1000  # past e4m3's largest value, 448: saturates
     check_rotary_and_store(args, True, True, dict(atol=1e-5, rtol=1e-5))
@@ -201,7 +202,7 @@ def test_rotary_and_store_fp8_interpreted(torch_fp8_casts: None, H: int, Hkv: in
 def test_rotary_and_store_rejects_a_head_dim_not_a_power_of_two_interpreted() -> None:
     args = make_rotary_inputs(3, 4, 2, 48, torch.float32)
     with pytest.raises(AssertionError, match="power of two"):
-        kernels.rotary_and_store(**args)
+        fused.rotary_and_store(**args)
 
 
 def sample_case(S: int, V: int, dtype: torch.dtype = torch.float32,
@@ -498,11 +499,10 @@ POINTER_TYPES = {  # others hold the model dtype
     "num_common_ptr": "*i32", "slot_mapping_ptr": "*i32", "temperatures_ptr": "*fp32",
     "keys_ptr": "*i64", "lse_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}
 DECODE_TILES = dict(BLOCK_SIZE=16, BLOCKS_PER_ITER=4)
-SM90_MODULES = {"rotary": kernels.rotary, "decode": decode, "cascade": cascade,
-                "sampling": sampling}
+SM90_MODULES = {"fused": fused, "decode": decode, "cascade": cascade, "sampling": sampling}
 SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches for Qwen3-0.6B heads
     # with an fp8 cache (the cache pointers' type), then in the model dtype
-    ("rotary._rotary_store_kernel@fp8",
+    ("fused._rotary_store_kernel@fp8",
      dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
     ("decode._paged_decode_kernel@fp8",
      dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=decode.TILE_TOKENS_FP8,
@@ -513,9 +513,9 @@ SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches fo
     ("cascade._cascade_prefix_kernel@fp8",
      dict(GROUP=2, ROWS=64, HEAD_DIM=128, NUM_STAGES=cascade.CASCADE_NUM_STAGES, BLOCK_SIZE=16,
           BLOCKS_PER_ITER=cascade.DECODE_TILE_TOKENS_FP8 // 16)),
-    ("rotary._rotary_store_kernel",
+    ("fused._rotary_store_kernel",
      dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
-    ("rotary._rotary_store_kernel",
+    ("fused._rotary_store_kernel",
      dict(H=9, H_PAD=16, HKV=3, HKV_PAD=4, HEAD_DIM=64, QK_NORM=False, STORE=False)),
     ("decode._paged_decode_kernel",
      dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=decode.TILE_TOKENS,
@@ -614,7 +614,7 @@ def test_gather_kv(cache_dtype: torch.dtype) -> None:
     B, Hkv, D = 16, 2, 8
     lens = [5, 0, 17, 32]  # ragged, empty, crosses a block, exactly two blocks
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, cache_dtype)
-    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B)
+    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B, sum(lens))
     k, v = kernels.gather_kv(k_cache, v_cache, slots, torch.float32)
     assert k.shape == v.shape == (sum(lens), Hkv, D) and k.dtype == v.dtype == torch.float32
     k_cache, v_cache = k_cache.float(), v_cache.float()
@@ -645,7 +645,7 @@ def test_attention_prefill_reads_what_an_fp8_cache_holds() -> None:
         with layers.forward_context(ctx):
             attn.store_kv(k, v)
             outs.append(attn(q, k, v))
-    rounded = [kernels.rotary.to_fp8(x).float() for x in (k, v)]
+    rounded = [kernels.to_cache_dtype(x, FP8).float() for x in (k, v)]
     expect = kernels.prefill_attention_ref(q, *rounded, cu, cu, 20, 20, attn.scale)
     assert torch.equal(outs[0], expect) and torch.equal(outs[1], expect)
     assert not torch.allclose(kernels.prefill_attention_ref(q, k, v, cu, cu, 20, 20, attn.scale),
@@ -657,7 +657,7 @@ def test_paged_decode_ref_matches_prefill_ref() -> None:
     lens, B, Hkv, D, H = [1, 16, 23], 16, 2, 32, 6
     k_cache, v_cache, block_tables, ctx = make_paged_kv(lens, B, Hkv, D, torch.float32)
     q = torch.randn(len(lens), H, D)
-    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B)
+    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B, sum(lens))
     k, v = kernels.gather_kv(k_cache, v_cache, slots, q.dtype)
     one_query = cu_seqlens([1] * len(lens))  # each sequence's newest token is its only query
     prefill = kernels.prefill_attention_ref(q, k, v, one_query, cu_seqlens(lens), 1, max(lens), 0.2)
@@ -780,11 +780,10 @@ def test_prefill_attention_gpu() -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
 def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
     """The layers' gather (gather and dequantize compiled into one kernel) equals the eager one."""
-    from nanoserve import layers
     B, Hkv, D, lens = 16, 8, 128, [5, 0, 170, 320]
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, cache_dtype, "cuda")
-    slots = kernels.context_slots(block_tables, cu_seqlens(lens, "cuda"), B)
-    compiled = layers.gather_kv(k_cache, v_cache, slots, torch.bfloat16)
+    slots = kernels.context_slots(block_tables, cu_seqlens(lens, "cuda"), B, sum(lens))
+    compiled = fused.ops().gather_kv(k_cache, v_cache, slots, torch.bfloat16)
     for got, expect in zip(compiled, kernels.gather_kv(k_cache, v_cache, slots, torch.bfloat16)):
         assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
 
@@ -792,13 +791,13 @@ def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
 @gpu
 @requires_cuda
 def test_fp8_round_trip_compiled_gpu() -> None:
-    """The layers' fp8 round trip of a prefill's new K and V (compiled into one kernel) equals
-    the eager one, saturating past 448 as the store does."""
+    """The layers' fp8 round trip of a prefill's new K and V (compiled into one kernel by the
+    fused extension) equals the eager one, saturating past 448 as the store does."""
     from nanoserve import layers
     k, v = (100 * torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k[0, 0, 0], v[0, 0, 0] = 1000, -1000  # past e4m3's largest value: saturated
-    eager = layers.fp8_round_trip.__wrapped__(k, v)
-    for got, expect in zip(layers.fp8_round_trip(k, v), eager):
+    eager = layers.cache_round_trip(k, v, FP8)
+    for got, expect in zip(fused.ops().cache_round_trip(k, v, FP8), eager):
         assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
         assert got.abs().max() == 448
 
@@ -806,7 +805,7 @@ def test_fp8_round_trip_compiled_gpu() -> None:
 @gpu
 @requires_cuda
 def test_compiled_layer_fixes_row_length_gpu() -> None:
-    """layers.gpu_compiled compiles SiLU-and-mul once for every token count, with the row length
+    """fused.gpu_compiled compiles SiLU-and-mul once for every token count, with the row length
     a constant of the kernel, not an argument (`ks0`): a row length known at compile time lets
     the kernel skip the per-element index arithmetic (docs/performance.md has the times)."""
     from unittest import mock
@@ -814,7 +813,7 @@ def test_compiled_layer_fixes_row_length_gpu() -> None:
     from torch._inductor.graph import GraphLowering
 
     from nanoserve import layers
-    act = layers.gpu_compiled(lambda x: layers.silu_and_mul.__wrapped__(x))  # a fresh cache
+    act = fused.gpu_compiled(lambda x: layers.silu_and_mul(x))  # a fresh cache
     codes: list[str] = []  # the code of every compile (run_and_get_code would reset dynamo)
     with (torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False),
           mock.patch.object(GraphLowering, "save_output_code", codes.append)):
@@ -845,7 +844,7 @@ def test_decode_cuda_graph_gpu(cache_dtype: torch.dtype, decode_fn) -> None:
     cos_sin = RotaryEmbedding(D, 4096, 1e6).cos_sin.cuda()
 
     def decode_step() -> Tensor:  # what one attention layer does in a decode step
-        kernels.rotary_and_store(q, key, value, positions, cos_sin, k_cache, v_cache, slots)
+        fused.rotary_and_store(q, key, value, positions, cos_sin, k_cache, v_cache, slots)
         return decode_fn(q, k_cache, v_cache, block_tables, ctx, D**-0.5)
 
     decode_step()  # compile outside the capture
@@ -951,3 +950,21 @@ def test_prefill_logits_rows_pad_to_a_graph_batch_size():
     # no graphs, or none big enough
     for no_graph in (SimpleNamespace(max_graph_batch=0), SimpleNamespace(max_graph_batch=2)):
         assert ModelRunner._logits_rows(no_graph, cu_q).tolist() == [4, 6, 19]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+def test_core_store_writes_each_slot_and_slot_minus_one_into_the_spare_slot(
+        cache_dtype: torch.dtype) -> None:
+    """kernels.store_kv: no mask (no host sync in a CUDA graph); a padded row's slot -1 lands in
+    the cache's last slot, which the model runner keeps in a spare block no sequence owns."""
+    torch.manual_seed(0)
+    key, value = 3 * torch.randn(4, 2, 16), 3 * torch.randn(4, 2, 16)  # (N, Hkv, D)
+    key[0, 0, 0] = 1000  # past e4m3's largest value: saturated, not NaN
+    k_cache, v_cache = (torch.zeros(3, 4, 2, 16, dtype=cache_dtype) for _ in "kv")  # 2 + spare
+    kernels.store_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 0, 6], dtype=torch.int32))
+    for cache, x in ((k_cache, key), (v_cache, value)):
+        rows = cache.view(-1, 2, 16).float()  # (slots, Hkv, D)
+        expect = kernels.to_cache_dtype(x, cache_dtype).float()
+        assert torch.equal(rows[[5, 11, 0, 6]], expect)  # slot -1: the last one, 11
+        assert rows.abs().max() <= (448 if cache_dtype == FP8 else 1000)
+        assert not rows[[1, 2, 3, 4, 7, 8, 9, 10]].any()

@@ -326,9 +326,7 @@ class FakeOutput:
     def __init__(self, tokens: list[int], failed: bool) -> None:
         self.token_ids, self.failed = torch.tensor(tokens or [0]), failed
         self.extras = {}  # no sampling hook adds anything
-
-    def select(self, rows: list[int]) -> "FakeOutput":
-        return FakeOutput(self.token_ids[rows].tolist(), self.failed)
+        self.host = self.token_ids
 
     def tolist(self) -> list[int]:
         if self.failed:

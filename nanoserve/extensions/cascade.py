@@ -9,6 +9,8 @@ What it gains: see docs/performance.md. Invariant, as the core's: no host sync, 
 and arguments only.
 """
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from nanoserve.config import Config
 from nanoserve.kernels import decode
-from nanoserve.kernels.common import sm_count, use_triton
+from nanoserve.kernels.common import use_triton
 from nanoserve.kernels.decode import _attend_tile, _dot_dtype  # the core's tile step, reused
 from nanoserve.layers import ForwardContext
 from nanoserve.models import DecoderModel
@@ -39,6 +41,14 @@ CASCADE_NUM_STAGES = 3  # tuned apart from the decode kernel: its own tiles, its
 CASCADE_PROGRAMS_PER_SM = 1  # prefix splits fill one wave of (KV head, row tile, split) programs
 MERGE_NUM_WARPS = 2  # a merge reads only a few partials per row: more warps were slower
 CASCADE_MIN_SEQS = 32  # the shared-prefix kernel from this decode batch size on (it costs at tiny)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device: the split heuristics fill them with programs."""
+    if device.type != "cuda":
+        return 8  # the interpreter on CPU: any small number keeps the split logic exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # --------------------------------------------------------------------------------------------------

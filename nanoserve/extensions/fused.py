@@ -6,7 +6,7 @@ one Triton program per token does them all, rotating q and k in place. The remai
 chains (add + RMSNorm, SiLU-and-mul, the fp8 gather and round trip) go through torch.compile, which
 fuses each chain into one kernel: a launch and a round trip through memory saved per op. Attaches at
 the core's elementwise point, layers.OPS (the model runner installs `ops()`); the plain steps in
-kernels.rotary and layers are what every kernel here must match.
+kernels.rotary and layers are what every kernel here must match (tests/fused_ref.py).
 """
 import functools
 from collections.abc import Callable
@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve import layers
-from nanoserve.kernels import rms_norm_ref, rotary_ref, to_cache_dtype, use_triton
+from nanoserve.kernels import rms_norm_ref
 from nanoserve.kernels.prefill import gather_kv
 
 
@@ -125,9 +125,6 @@ def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin
     position's D/2 cosines, then its D/2 sines. q, k, v may be views of one fused projection (heads
     packed, any token stride). Returns the rotated q and k: with Triton, q and k themselves, rotated
     in place by one launch; otherwise new tensors (the reference)."""
-    if not use_triton(q):
-        return rotary_and_store_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                    qk_norm)
     (N, H, D), Hkv = q.shape, k.shape[1]
     assert k.shape == v.shape == (N, Hkv, D) and positions.shape == slot_mapping.shape == (N,)
     assert all(t.stride()[1:] == (D, 1) for t in (q, k, v)), "heads packed, last dim contiguous"
@@ -145,32 +142,3 @@ def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin
         H_PAD=triton.next_power_of_2(H), HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv), HEAD_DIM=D,
         QK_NORM=qk_norm is not None, STORE=store)
     return q, k
-
-
-def rotary_and_store_ref(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor,
-                         k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                         qk_norm: tuple[Tensor, Tensor, float] | None = None
-                         ) -> tuple[Tensor, Tensor]:
-    """Plain-torch rotary_and_store (the test oracle): new q and k, inputs untouched."""
-    if qk_norm is not None:
-        q_weight, k_weight, eps = qk_norm
-        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
-    angles = cos_sin[positions]  # (N, D)
-    q, k = rotary_ref(q, angles), rotary_ref(k, angles)
-    if k_cache.numel():
-        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
-    return q, k
-
-
-
-def store_kvcache_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
-                      slot_mapping: Tensor) -> None:
-    """Write key/value (N, Hkv, D) into the caches at slot_mapping (N,); slot -1 writes nowhere.
-    Boolean masking syncs: the test oracle only, never in a CUDA graph."""
-    N, Hkv, D = key.shape
-    assert value.shape == key.shape and k_cache.shape[2:] == (Hkv, D) and slot_mapping.shape == (N,)
-    keep = slot_mapping >= 0  # (N,) drop padded slots (-1)
-    slots = slot_mapping[keep].long()
-    # (num_blocks * B, Hkv, D): slot rows (an indexed assignment: CPU index_copy_ has no fp8)
-    k_cache.view(-1, Hkv, D)[slots] = to_cache_dtype(key[keep], k_cache.dtype)
-    v_cache.view(-1, Hkv, D)[slots] = to_cache_dtype(value[keep], v_cache.dtype)

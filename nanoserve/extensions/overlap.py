@@ -15,6 +15,7 @@ Owns: the step in flight and the cancel path for it. Attaches at the core's step
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import ModelRunner, StepOutput
@@ -22,6 +23,13 @@ from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
 
 PENDING = -1  # token id placeholder: sampled by a step still running on the GPU
+
+
+def select(out: StepOutput, rows: list[int]) -> StepOutput:
+    """The output of rows only (after tolist(): the copies are done)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return StepOutput(out.token_ids[index.to(out.token_ids.device)], out.host[index], None,
+                      {name: tuple(t[index] for t in ts) for name, ts in out.extras.items()})
 
 
 class OverlapLoop:
@@ -87,7 +95,7 @@ class OverlapLoop:
             kept = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]  # drop its token
             batch = Batch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
                           batch.is_prefill, [batch.starts[i] for i in kept if batch.starts])
-            out = out.select(kept)
+            out = select(out, kept)
             token_ids = [token_ids[i] for i in kept]
         return self.postprocess(batch, out, token_ids)
 
