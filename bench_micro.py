@@ -5,7 +5,7 @@
                   head dim 128, bf16, block 16), context 1024: bytes each must read (K and V of
                   every sequence, q, out) over its time, as a fraction of the HBM bandwidth. Inputs
                   rotate through more memory than L2 holds, so every read is a real HBM read.
-  sampler         kernels.sample (the two-level race) over Qwen's 151,936 bf16 logits per row,
+  sampler         race_sampler.sample (the two-level race) over Qwen's 151,936 bf16 logits per row,
                   GPU time from CUDA-graph replays (no launch time).
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
                   Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
@@ -23,7 +23,8 @@ import torch
 from bench import HBM_BANDWIDTH, QWEN3_0_6B, resolve_model_dir
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.cascade import cascade_decode
-from nanoserve.kernels import paged_decode, sample
+from nanoserve.extensions.race_sampler import sample
+from nanoserve.kernels import paged_decode
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
@@ -94,7 +95,7 @@ def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
 
 
 def sampler(batch: int, vocab: int = 151_936, calls: int = 20) -> float:
-    """GPU seconds of one kernels.sample call on (batch, vocab) bf16 logits at temperature 0.6
+    """GPU seconds of one race_sampler.sample call on (batch, vocab) bf16 logits at temperature 0.6
     (bench.py's): `calls` calls captured in one CUDA graph, so no launch time is counted, as in
     the engine, where the sampler's launches overlap the forward pass."""
     logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16) * 3

@@ -122,6 +122,7 @@ class Ops:
     norm_rotary_store: Callable = norm_rotary_store
     gather_kv: Callable = kernels.gather_kv
     cache_round_trip: Callable = cache_round_trip
+    sample: Callable = kernels.sample
 
 
 OPS = Ops()
@@ -288,11 +289,12 @@ class Attention(nn.Module):
 # ---- sampling ------------------------------------------------------------------------------------
 class Sampler(nn.Module):
     """One token per row of logits, each row with its own temperature and key: the key decides
-    the draw (kernels.sampling), so a seeded row is drawn the same in any batch."""
+    the draw (kernels.sampling, or the race sampler's kernels), so a seeded row is drawn the same
+    in any batch."""
 
     def forward(self, logits: Tensor, temperatures: Tensor | None,
                 keys: Tensor | None = None) -> Tensor:
         # logits (S, V); temperatures (S,), None when every row is greedy; keys (S,) int64
         if temperatures is None:
             return logits.argmax(-1)  # (S,)
-        return kernels.sample(logits, temperatures, keys)
+        return OPS.sample(logits, temperatures, keys)

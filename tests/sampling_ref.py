@@ -1,12 +1,12 @@
 """The Triton sampler's bit-exact twin in plain torch: Triton's Philox 4x32 on the CPU, the same
-Gumbel noise and the same two races (kernels/sampling.py explains them). A test oracle only: the
-engine's CPU path is kernels.sampling.sample_ref, which keeps the contract with torch's own noise.
+Gumbel noise and the same two races (extensions/race_sampler.py explains them). A test oracle
+only: the core's sampler, kernels.sampling.sample, keeps the contract with torch's own noise.
 """
 import torch
 import triton
 from torch import Tensor
 
-from nanoserve.kernels import sampling
+from nanoserve.extensions import race_sampler as sampling
 
 PHILOX_ROUNDS = 10  # as tl.randint4x
 PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox 4x32's multipliers

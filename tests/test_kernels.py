@@ -28,9 +28,9 @@ from sampling_ref import philox4x32, sample_philox_ref
 from torch import Tensor
 
 from nanoserve import kernels
-from nanoserve.extensions import cascade, fused
+from nanoserve.extensions import cascade, fused, race_sampler
 from nanoserve.extensions.cascade import cascade_decode
-from nanoserve.kernels import decode, sampling
+from nanoserve.kernels import decode
 from nanoserve.layers import RotaryEmbedding
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -230,9 +230,9 @@ def check_race(logits: Tensor, temperatures: Tensor, tokens: Tensor) -> None:
 @interpreted
 @pytest.mark.parametrize("V", [64, 100])  # whole chunks, and a last chunk cut short
 def test_sample_interpreted(monkeypatch: pytest.MonkeyPatch, V: int) -> None:
-    monkeypatch.setattr(sampling, "SAMPLE_CHUNK", 16)  # several chunks per row
+    monkeypatch.setattr(race_sampler, "SAMPLE_CHUNK", 16)  # several chunks per row
     args = sample_case(12, V)
-    tokens = kernels.sample(*args)
+    tokens = race_sampler.sample(*args)
     check_race(args[0], args[1], tokens)
     assert torch.equal(tokens, sample_philox_ref(*args))  # the same races, the same noise
 
@@ -241,9 +241,9 @@ def test_sample_ref_keeps_the_race_contract() -> None:
     """The CPU path (torch's noise, not Philox): greedy rows take the first argmax, the others a
     token of probability > 0, keys at either end of the range included; a key decides the draw."""
     args = sample_case(12, 100)
-    tokens = kernels.sample_ref(*args)
+    tokens = kernels.sample(*args)
     check_race(args[0], args[1], tokens)
-    assert torch.equal(kernels.sample_ref(*(a.flip(0) for a in args)), tokens.flip(0))
+    assert torch.equal(kernels.sample(*(a.flip(0) for a in args)), tokens.flip(0))
 
 
 @interpreted
@@ -499,7 +499,7 @@ POINTER_TYPES = {  # others hold the model dtype
     "num_common_ptr": "*i32", "slot_mapping_ptr": "*i32", "temperatures_ptr": "*fp32",
     "keys_ptr": "*i64", "lse_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}
 DECODE_TILES = dict(BLOCK_SIZE=16, BLOCKS_PER_ITER=4)
-SM90_MODULES = {"fused": fused, "decode": decode, "cascade": cascade, "sampling": sampling}
+SM90_MODULES = {"fused": fused, "decode": decode, "cascade": cascade, "race_sampler": race_sampler}
 SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches for Qwen3-0.6B heads
     # with an fp8 cache (the cache pointers' type), then in the model dtype
     ("fused._rotary_store_kernel@fp8",
@@ -532,8 +532,8 @@ SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches fo
     ("cascade._cascade_prefix_kernel",
      dict(GROUP=2, ROWS=64, HEAD_DIM=128, NUM_STAGES=cascade.CASCADE_NUM_STAGES, **DECODE_TILES)),
     ("cascade._merge_splits_kernel", dict(HEAD_DIM=128, SPLITS_PAD=8)),
-    ("sampling._chunk_stats_kernel", dict(CHUNK=2048)),
-    ("sampling._pick_token_kernel", dict(CHUNKS_PAD=128, CHUNK=2048)),
+    ("race_sampler._chunk_stats_kernel", dict(CHUNK=2048)),
+    ("race_sampler._pick_token_kernel", dict(CHUNKS_PAD=128, CHUNK=2048)),
 ]
 
 
@@ -750,11 +750,11 @@ def test_sample_gpu(S: int) -> None:
     # Qwen's vocab: 38 programs per row, the last cut short
     args = sample_case(max(S, 6), 151_936, torch.bfloat16, "cuda")
     args = [a[:S] for a in args]
-    tokens = kernels.sample(*args)
+    tokens = race_sampler.sample(*args)
     check_race(args[0].cpu(), args[1].cpu(), tokens.cpu())
     check_race(args[0].cpu(), args[1].cpu(), sample_philox_ref(*args).cpu())
     assert (tokens == sample_philox_ref(*args)).float().mean() > 0.9  # all but near-ties
-    check_race(args[0].cpu(), args[1].cpu(), kernels.sample_ref(*args).cpu())  # the CPU path
+    check_race(args[0].cpu(), args[1].cpu(), kernels.sample(*args).cpu())  # the CPU path
 
 
 @gpu

@@ -1,12 +1,13 @@
 """The sampler alone: greedy rows, the Gumbel race's draw from softmax(logits / T), top-k and top-p
 masks, and keys that decide a row's draw whatever the other rows. On a GPU the draw is the Triton
-kernels (the `gpu` tests), on the CPU sampling.sample_ref (torch's own noise). Chunks are cut
-to 16 logits here, so small vocabularies span several chunks on the GPU."""
+kernels of extensions/race_sampler.py (the `gpu` tests), on the CPU the core's kernels.sample
+(torch's own noise). Chunks are cut to 16 logits here, so small vocabularies span several chunks
+on the GPU."""
 import pytest
 import torch
 
+from nanoserve.extensions import race_sampler
 from nanoserve.extensions.top_k_top_p import mask_top_k_top_p
-from nanoserve.kernels import sampling
 from nanoserve.layers import Sampler
 
 SAMPLE_CHUNK = 16
@@ -17,7 +18,7 @@ LOGITS = torch.tensor([0.0, 1.0, 2.0, -1.0])
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(sampling, "SAMPLE_CHUNK", SAMPLE_CHUNK)
+    monkeypatch.setattr(race_sampler, "SAMPLE_CHUNK", SAMPLE_CHUNK)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -33,6 +34,8 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor,
         top_ks = zeros if top_ks is None else top_ks
         top_ps = torch.ones(S, device=logits.device) if top_ps is None else top_ps
         logits = mask_top_k_top_p(logits, temps, top_ks, top_ps)
+    if logits.is_cuda:  # the race sampler's kernels, which the engine runs on the GPU
+        return race_sampler.sample(logits, temps, keys)
     return Sampler()(logits, temps, keys)
 
 

@@ -1,12 +1,14 @@
-"""Fused kernels: norm + rotary + KV store as one Triton kernel, the other elementwise chains
-compiled (`fused_kernels=True`, on the GPU and under TRITON_INTERPRET=1).
+"""Fused kernels: norm + rotary + KV store in one Triton kernel, the sampler's race, compiled ops.
+
+On the GPU and under TRITON_INTERPRET=1, with `fused_kernels=True` (the default).
 
 A layer's plain steps before attention are five launches (two norms, two rotations, the store):
 one Triton program per token does them all, rotating q and k in place. The remaining elementwise
-chains (add + RMSNorm, SiLU-and-mul, the fp8 gather and round trip) go through torch.compile, which
-fuses each chain into one kernel: a launch and a round trip through memory saved per op. Attaches at
-the core's elementwise point, layers.OPS (the model runner installs `ops()`); the plain steps in
-kernels.rotary and layers are what every kernel here must match (tests/fused_ref.py).
+chains (add + RMSNorm, SiLU-and-mul, the fp8 gather and round trip) go through torch.compile,
+which fuses each chain into one kernel: a launch and a round trip through memory saved per op. The
+sampler's draw becomes extensions/race_sampler.py's two kernels. Attaches at the core's elementwise
+point, layers.OPS (the model runner installs `ops()`); the plain steps in kernels.rotary and layers
+are what every kernel here must match (tests/fused_ref.py).
 """
 import functools
 from collections.abc import Callable
@@ -17,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve import layers
+from nanoserve.extensions import race_sampler
 from nanoserve.kernels import rms_norm_ref
 from nanoserve.kernels.prefill import gather_kv
 
@@ -53,7 +56,8 @@ def ops() -> layers.Ops:
                       silu_and_mul=gpu_compiled(layers.silu_and_mul),
                       norm_rotary_store=fused_norm_rotary_store,
                       gather_kv=gpu_compiled(gather_kv),  # gather + dequantize: one pass
-                      cache_round_trip=gpu_compiled(layers.cache_round_trip))
+                      cache_round_trip=gpu_compiled(layers.cache_round_trip),
+                      sample=race_sampler.sample)
 
 
 @triton.jit
