@@ -457,7 +457,7 @@ def test_engine_greedy_matches_transformers_interpreted(tmp_path: pathlib.Path) 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from nanoserve import LLM, SamplingParams
-    from nanoserve.model_runner import CASCADE_MIN_SEQS
+    from nanoserve.extensions.cascade import CASCADE_MIN_SEQS
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
