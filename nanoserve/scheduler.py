@@ -122,9 +122,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
-        """Record the step's progress and sampled tokens; return the sequences that finished."""
+        """Record the step's progress and sampled tokens; return the sequences that finished.
+        A sequence finished before its step is postprocessed (aborted, or with overlap a step
+        launched past its EOS) gets nothing."""
         finished = []
         for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, token_ids):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += num_new
             self.block_manager.register_blocks(seq, seq.num_computed_tokens)
             self.block_manager.mark_computed(seq, num_new)
@@ -159,7 +163,7 @@ class Scheduler:
 
     def abort(self, seqs: list[Sequence], reason: str = "abort") -> None:
         """Finish unfinished sequences now: out of the queues, their blocks freed. One in a step
-        still in flight (overlap) is dropped from that step's postprocessing, as finished."""
+        still in flight (overlap) gets nothing from that step's postprocessing."""
         for seq in [seq for seq in seqs if not seq.is_finished]:
             for queue in (self.waiting, self.running):
                 if seq in queue:

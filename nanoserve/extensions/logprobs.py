@@ -37,7 +37,8 @@ class Logprobs(StepObserver, SamplingHook):
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             k = seq.params.logprobs
             # a prefill chunk that does not end the prompt samples nothing
-            if k is not None and seq.num_computed_tokens + num_new >= seq.num_tokens:
+            if k is not None and not seq.is_finished and \
+                    seq.num_computed_tokens + num_new >= seq.num_tokens:
                 seq.logprobs.append({token_ids[i]: chosen[i]} | dict(zip(ids[i][:k],
                                                                          values[i][:k])))
 

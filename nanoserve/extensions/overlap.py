@@ -15,7 +15,6 @@ Owns: the step in flight and the cancel path for it. Attaches at the core's step
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import ModelRunner, StepOutput
@@ -25,21 +24,13 @@ from nanoserve.sequence import Sequence
 PENDING = -1  # token id placeholder: sampled by a step still running on the GPU
 
 
-def select(out: StepOutput, rows: list[int]) -> StepOutput:
-    """The output of rows only (after tolist(): the copies are done)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return StepOutput(out.token_ids[index.to(out.token_ids.device)], out.host[index], None,
-                      {name: tuple(t[index] for t in ts) for name, ts in out.extras.items()})
-
-
 class OverlapLoop:
     def __init__(self, scheduler: Scheduler, model_runner: ModelRunner,
                  postprocess: Callable[[Batch, StepOutput, list[int]], list[Sequence]] | None
                  = None) -> None:
         """postprocess: the engine's (observers, then the scheduler); the scheduler's alone."""
         self.scheduler, self.model_runner = scheduler, model_runner
-        self.postprocess = postprocess or (lambda batch, _, tokens: scheduler.postprocess(batch,
-                                                                                          tokens))
+        self.postprocess = postprocess or (lambda b, _, tokens: scheduler.postprocess(b, tokens))
         # the next step: scheduled, then launched (its StepOutput set), not yet postprocessed
         self.ahead: tuple[Batch, StepOutput | None] | None = None
 
@@ -91,12 +82,7 @@ class OverlapLoop:
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING and not seq.is_finished:
                 seq.pop_token()  # the real token (postprocess appends it) replaces it
-        if any(seq.is_finished for seq in batch.seqs):  # finished a step ago (EOS seen late):
-            kept = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]  # drop its token
-            batch = Batch([batch.seqs[i] for i in kept], [batch.num_new_tokens[i] for i in kept],
-                          batch.is_prefill, [batch.starts[i] for i in kept if batch.starts])
-            out = select(out, kept)
-            token_ids = [token_ids[i] for i in kept]
+        # a sequence that finished a step ago (EOS seen late) gets no token: postprocess skips it
         return self.postprocess(batch, out, token_ids)
 
     def finish(self) -> None:
