@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nanoserve.layers import BatchInputs, ForwardContext, forward_context
+from nanoserve.layers import ForwardContext, forward_context
 from nanoserve.models import DecoderModel
 
 GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch sizes captured
@@ -35,7 +35,7 @@ def pinned(array: np.ndarray) -> Tensor:
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
                  use_cascade: Callable[[int], bool],
-                 make_context: Callable[[BatchInputs], ForwardContext]) -> None:
+                 make_context: Callable[[ForwardContext], ForwardContext]) -> None:
         """Capture a graph for every size up to max_batch (with cascade attention too where
         use_cascade(size) allows it); all share one memory pool. make_context: the model
         runner's, which builds every forward context."""
@@ -60,7 +60,7 @@ class DecodeGraphs:
 
     def _capture(self, bs: int, cascade: bool) -> torch.cuda.CUDAGraph:
         b = {name: buf[:bs] for name, buf in self.buffers.items()}
-        ctx = self.make_context(BatchInputs(
+        ctx = self.make_context(ForwardContext(
             is_prefill=False, input_ids=b["input_ids"], positions=b["positions"],
             slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
             block_tables=b["block_tables"],
@@ -72,7 +72,7 @@ class DecodeGraphs:
                 b["hidden"][:] = self.model(b["input_ids"], b["positions"])
         return graph
 
-    def replay(self, inputs: BatchInputs, input_ids: Tensor) -> Tensor:
+    def replay(self, inputs: ForwardContext, input_ids: Tensor) -> Tensor:
         """Run the decode forward of inputs; returns (graph size, hidden), padded rows included."""
         bs, buf = len(inputs.positions), self.buffers
         graph_bs = graph_batch_size(bs)

@@ -34,34 +34,26 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 
 # ---- forward context -----------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class BatchInputs:
-    """A batch as host arrays: what every rank needs for one forward pass (built on rank 0).
-    A CUDA graph's capture passes its device buffers in their place."""
-    is_prefill: bool
-    input_ids: np.ndarray  # (N,) int64
-    positions: np.ndarray  # (N,) int64
-    slot_mapping: np.ndarray  # (N,) int32
-    cu_seqlens_q: np.ndarray | None = None  # (S+1,) int32, prefill
-    cu_seqlens_k: np.ndarray | None = None  # (S+1,) int32, prefill
-    context_lens: np.ndarray | None = None  # (S,) int32, decode
-    block_tables: np.ndarray | None = None  # (S, max_blocks) int32: decode, prefill with hits
-    num_common_blocks: np.ndarray | None = None  # (1,) int32 decode: shared prefix (cascade)
+Array = np.ndarray | Tensor  # a host array (prepare, the workers' copy) or a device tensor
 
 
 @dataclass(kw_only=True)
 class ForwardContext:
-    """Batch layout for one forward pass, read by Attention (and OPS.norm_rotary_store)."""
+    """A batch's layout for one forward pass. The model runner's prepare() builds it of host arrays
+    (what rank 0 sends the workers); on the device the same fields hold tensors, read by Attention
+    (and OPS.norm_rotary_store); a CUDA graph's capture passes its buffers."""
     is_prefill: bool
-    slot_mapping: Tensor  # (N,) int32: each new token's slot, block_id * B + offset; -1: none
-    cu_seqlens_q: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's new tokens
-    cu_seqlens_k: Tensor | None = None  # (S+1,) int32 prefill: start of each sequence's context
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
+    input_ids: Array | None = None  # (N,) int64
+    positions: Array | None = None  # (N,) int64
+    slot_mapping: Array  # (N,) int32: each new token's slot, block_id * B + offset; -1: spare
+    cu_seqlens_q: Array | None = None  # (S+1,) int32 prefill: start of each sequence's new tokens
+    cu_seqlens_k: Array | None = None  # (S+1,) int32 prefill: start of each sequence's context
+    context_lens: Array | None = None  # (S,) int32 decode: tokens in the cache per sequence
+    block_tables: Array | None = None  # (S, max_blocks) int32: decode, prefill with prefix hits
+    num_common_blocks: Array | None = None  # (1,) int32 decode: blocks all share (cascade)
+    max_seqlen_q: int = 0  # prefill, on the device: the longest new tokens
+    max_seqlen_k: int = 0  # and the longest context
     context_slots: Tensor | None = None  # (Nk,) int64 prefill with prefix hits: slot of each key
-    context_lens: Tensor | None = None  # (S,) int32 decode: tokens in the cache per sequence
-    block_tables: Tensor | None = None  # (S, max_blocks) int32 decode: KV block ids per sequence
-    num_common_blocks: Tensor | None = None  # (1,) int32 decode: blocks all share (cascade)
 
 
 _context: ForwardContext | None = None

@@ -2,7 +2,7 @@
 
 Owns: the model and its weights on one device, the paged KV cache tensor, the flat batch tensors
 and sampling. With tensor parallelism there is one ModelRunner per rank: rank 0 builds the batch
-on the host (`prepare`), sends the BatchInputs to the other ranks (distributed.Workers), every
+on the host (`prepare`), sends the ForwardContext to the other ranks (distributed.Workers), every
 rank runs `forward` and joins the collectives, and rank 0 alone samples.
 Does not own: which sequences run (scheduler), which blocks they hold (block_manager), the CUDA
 graphs (cuda_graphs) or the worker processes (distributed).
@@ -16,7 +16,7 @@ Called by: llm_engine (run, shutdown), extensions.overlap (run with input ids on
 import gc
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from nanoserve import kernels, layers
 from nanoserve.config import Config, cdiv, extension
 from nanoserve.cuda_graphs import DecodeGraphs, graph_batch_size, pinned
 from nanoserve.distributed import PEER_EXIT_WAIT_SECONDS, Workers, init_process_group
-from nanoserve.layers import BatchInputs, ForwardContext, Sampler, forward_context
+from nanoserve.layers import ForwardContext, Sampler, forward_context
 from nanoserve.models import DecoderModel
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
@@ -174,7 +174,7 @@ class ModelRunner:
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
         # num_seqs sequences of seq_len tokens: n tokens, cu (S+1,) their starts and end
         n, cu = num_seqs * seq_len, np.arange(num_seqs + 1, dtype=np.int32) * seq_len
-        logits = self.forward(BatchInputs(  # slot -1: the warm-up writes no KV cache
+        logits = self.forward(ForwardContext(  # slot -1: the warm-up writes no KV cache
             is_prefill=True, input_ids=np.zeros(n, np.int64), slot_mapping=np.full(n, -1, np.int32),
             positions=np.tile(np.arange(seq_len), num_seqs), cu_seqlens_q=cu, cu_seqlens_k=cu))
         if self.rank == 0:  # compile the sampler's kernels now, not during the first requests
@@ -183,10 +183,10 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------
-    def prepare(self, batch: Batch) -> BatchInputs:
+    def prepare(self, batch: Batch) -> ForwardContext:
         return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
 
-    def prepare_prefill(self, batch: Batch) -> BatchInputs:
+    def prepare_prefill(self, batch: Batch) -> ForwardContext:
         input_ids, positions, slot_mapping, cu_q, cu_k = [], [], [], [0], [0]
         for seq, start, num_new in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             end = start + num_new
@@ -195,20 +195,20 @@ class ModelRunner:
             slot_mapping += token_slots(seq.block_table, start, end, self.block_size)
             cu_q.append(cu_q[-1] + num_new)
             cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
-        return BatchInputs(
+        return ForwardContext(
             is_prefill=True, input_ids=np.array(input_ids, np.int64),
             positions=np.array(positions, np.int64), slot_mapping=np.array(slot_mapping, np.int32),
             cu_seqlens_q=np.array(cu_q, np.int32), cu_seqlens_k=np.array(cu_k, np.int32),
             # prefix-cache hits: attention reads the cached keys through the block tables
             block_tables=self.block_tables(batch.seqs) if cu_k[-1] > cu_q[-1] else None)
 
-    def prepare_decode(self, seqs: list[Sequence]) -> BatchInputs:
+    def prepare_decode(self, seqs: list[Sequence]) -> ForwardContext:
         # each sequence computes its newest token, at position num_tokens - 1
         positions = np.array([seq.num_tokens - 1 for seq in seqs], np.int64)  # (S,)
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], np.int64)  # (S,)
         slots = last_blocks * self.block_size + positions % self.block_size
         context_lens, block_tables = (positions + 1).astype(np.int32), self.block_tables(seqs)
-        return BatchInputs(is_prefill=False, positions=positions,
+        return ForwardContext(is_prefill=False, positions=positions,
                            input_ids=np.array([seq.token_ids[-1] for seq in seqs], np.int64),
                            slot_mapping=slots.astype(np.int32), context_lens=context_lens,
                            block_tables=block_tables, num_common_blocks=self.cascade and
@@ -236,34 +236,31 @@ class ModelRunner:
         return pinned(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(self, inputs: BatchInputs, input_ids: Tensor | None = None) -> Tensor | None:
+    def forward(self, inputs: ForwardContext, input_ids: Tensor | None = None) -> Tensor | None:
         """Run the model on one batch; return logits (S, V) on rank 0, None on other ranks.
         input_ids: the batch's tokens already on the device (overlap), else inputs.input_ids."""
-        input_ids = self.to_device(inputs.input_ids) if input_ids is None else input_ids
         num_seqs = len(inputs.cu_seqlens_q) - 1 if inputs.is_prefill else len(inputs.positions)
         if inputs.is_prefill or num_seqs > self.max_graph_batch:
-            with forward_context(self._context(inputs)):
-                hidden = self.model(input_ids, self.to_device(inputs.positions))  # (N, hidden)
+            with forward_context(ctx := self._context(inputs)):
+                input_ids = ctx.input_ids if input_ids is None else input_ids
+                hidden = self.model(input_ids, ctx.positions)  # (N, hidden)
         else:  # a decode batch that fits a captured graph
+            input_ids = self.to_device(inputs.input_ids) if input_ids is None else input_ids
             hidden = self.graphs.replay(inputs, input_ids)  # (graph size, hidden)
         # prefill computes logits at each sequence's last new token only; decode at every row
         rows = self.to_device(self._logits_rows(inputs.cu_seqlens_q)) if inputs.is_prefill else None
         logits = self.model.compute_logits(hidden, rows)  # (rows, V) on rank 0
         return None if logits is None else logits[:num_seqs]
 
-    def _context(self, inputs: BatchInputs) -> ForwardContext:
-        """The batch layout on the device, for an eager forward pass (a graph holds its own)."""
-        d, cu_q, cu_k = self.to_device, inputs.cu_seqlens_q, inputs.cu_seqlens_k
-        if not inputs.is_prefill:
-            return ForwardContext(
-                is_prefill=False, slot_mapping=d(inputs.slot_mapping),
-                context_lens=d(inputs.context_lens), block_tables=d(inputs.block_tables),
-                num_common_blocks=d(inputs.num_common_blocks))
-        ctx = ForwardContext(is_prefill=True, slot_mapping=d(inputs.slot_mapping),
-                             cu_seqlens_q=d(cu_q), max_seqlen_q=int(np.diff(cu_q).max()),
-                             cu_seqlens_k=d(cu_k), max_seqlen_k=int(np.diff(cu_k).max()))
-        if inputs.block_tables is not None:  # prefix hits: slots computed once, read by all layers
-            ctx.context_slots = kernels.context_slots(d(inputs.block_tables), ctx.cu_seqlens_k,
+    def _context(self, inputs: ForwardContext) -> ForwardContext:
+        """The batch layout on the device, for an eager forward pass or a graph's capture."""
+        ctx = replace(inputs, **{name: self.to_device(value) for name, value in vars(inputs).items()
+                                 if isinstance(value, np.ndarray)})
+        if inputs.is_prefill:
+            cu_q, cu_k = inputs.cu_seqlens_q, inputs.cu_seqlens_k
+            ctx.max_seqlen_q, ctx.max_seqlen_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+        if inputs.is_prefill and inputs.block_tables is not None:  # prefix hits: slots of all keys
+            ctx.context_slots = kernels.context_slots(ctx.block_tables, ctx.cu_seqlens_k,
                                                       self.block_size, int(cu_k[-1]))
         return ctx
 
