@@ -3,6 +3,7 @@ nanoserve's greedy output must be token-identical to Hugging Face transformers',
 sequences are preempted, when prompts are chunked, and with prefix caching on or off."""
 import gc
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -395,3 +396,65 @@ def test_example_chats(kv_cache_dtype):
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count(">>> ") == 4 and run.stdout.count("[4 tokens, length]") == 4
+
+
+CORE_ALONE = """
+import json, sys
+# an editable install of the checkout would serve the missing folders from there
+sys.meta_path = [f for f in sys.meta_path if "__editable__" not in str(getattr(f, "__module__", ""))]
+import nanoserve
+from nanoserve import LLM, SamplingParams
+prompts = json.load(sys.stdin)
+out = {"file": nanoserve.__file__}
+with LLM(None, overlap_scheduling=False) as llm:
+    params = SamplingParams(temperature=0, max_tokens=%d)
+    out["greedy"] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    parts = list(llm.stream(prompts[0], params))
+    out["streamed"] = [sum((p.token_ids for p in parts), []), "".join(p.text for p in parts)]
+    out["text"] = llm.generate(prompts[:1], params, use_tqdm=False)[0]["text"]
+    try:
+        llm.generate(prompts[:1], SamplingParams(stop=["."]), use_tqdm=False)
+    except ValueError as e:
+        out["stop"] = str(e)
+for setting in ("overlap_scheduling", "timeline"):
+    try:
+        LLM(None, **{"overlap_scheduling": False, setting: True})
+    except ValueError as e:
+        out[setting] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_the_core_runs_alone(tmp_path, prompts, hf_outputs):
+    """A copy of nanoserve/ without extensions/ and server/: greedy output still equals
+    transformers', a streamed request works, and a setting that needs a missing extension raises
+    a ValueError naming it."""
+    import json
+    import shutil
+    package = Path(__file__).resolve().parents[1] / "nanoserve"
+    shutil.copytree(package, tmp_path / "nanoserve", ignore=shutil.ignore_patterns(
+        "extensions", "server", "__pycache__"))
+    result = subprocess.run([sys.executable, "-c", CORE_ALONE % MAX_TOKENS], cwd=tmp_path,
+                            input=json.dumps(prompts[:4]), capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["file"].startswith(str(tmp_path))  # the copy, not the checkout
+    assert out["greedy"] == hf_outputs[:4]
+    assert out["streamed"] == [hf_outputs[0], out["text"]]
+    for setting, name in (("stop", "stop_strings"), ("overlap_scheduling", "overlap"),
+                          ("timeline", "timeline")):
+        assert f"extension {name!r} is not installed" in out[setting]
+
+
+def test_extensions_on_and_off_give_the_same_greedy_tokens(model_dir, prompts, hf_outputs):
+    """Every extension that runs on the CPU switched on (overlap, trace, timeline, stop strings
+    that never match, logprobs, top-k of the whole vocabulary): the same tokens as transformers'."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["@@@"], logprobs=1,
+                            top_k=100_000)
+    with LLM(model_dir, overlap_scheduling=True, trace=True, timeline=True) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert set(llm.extensions) == {"overlap", "trace", "timeline", "stop_strings", "logprobs",
+                                       "top_k_top_p"}
+    assert [o["token_ids"] for o in outs] == hf_outputs

@@ -34,3 +34,50 @@ def test_ruff_clean():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def import_graph() -> dict[str, set[str]]:
+    """nanoserve's modules and the nanoserve modules each imports, anywhere in its code (inside
+    functions too): `from nanoserve import layers` counts as importing nanoserve.layers."""
+    package = ROOT / "nanoserve"
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package that holds this module
+                    parts = name.split(".")[:len(name.split(".")) - node.level + is_package]
+                    base = ".".join(parts + ([base] if base else []))
+                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                          for a in node.names}
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def test_imports_flow_one_way():
+    """No circle among nanoserve's modules, imports inside functions included; the core never
+    imports an extension or the server (it loads an extension by name, config.extension)."""
+    graph = import_graph()
+    done, path = set(), []
+
+    def visit(module: str) -> None:
+        assert module not in path, "import circle: " + " -> ".join(path + [module])
+        if module not in done:
+            path.append(module)
+            for dependency in sorted(graph[module]):
+                visit(dependency)
+            path.pop()
+            done.add(module)
+    for module in graph:
+        visit(module)
+    core = [m for m in graph if not m.startswith(("nanoserve.extensions", "nanoserve.server"))]
+    for module in core:
+        reached = {m for m in graph[module] if m.startswith(("nanoserve.extensions",
+                                                               "nanoserve.server"))}
+        assert not reached, f"the core module {module} imports {reached}"
