@@ -139,6 +139,21 @@ def test_cudagraph_decode_matches_eager(model_dir):
     assert_logprobs_close(*results[False], *results[True], tol=SAME_ENGINE_TOL)
 
 
+def test_core_alone_matches_the_extensions(model_dir):
+    """The core's plain paths (no overlap, no cascade or split-KV decode, no fused kernels or race
+    sampler; CUDA graphs on, with the core's KV store) against the default engine: the same greedy
+    tokens up to near-ties, logprobs close. 40 sequences share a prefix: the cascade kernel runs."""
+    system = prompts(n=1, seed=2)[0][:5] * 20
+    prompt_list = [system + t[:40] for t in prompts(n=40, seed=4)]
+    results = {}
+    for on in (True, False):
+        with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, overlap_scheduling=on,
+                 cascade_attention=on, fused_kernels=on) as llm:
+            assert (llm.model_runner.cascade is not None) == on == ("overlap" in llm.extensions)
+            results[on] = record_logprobs(llm, prompt_list)
+    assert_logprobs_close(*results[True], *results[False], tol=SAME_ENGINE_TOL)
+
+
 def test_prefix_hit_matches_no_hit(model_dir):
     system = prompts(n=1, seed=2)[0][:5] * 20  # 100 shared tokens: 6 full blocks of 16
     tails = prompts(n=41, seed=3)  # 40 decode together after the first: cascade attention (>= 32)
