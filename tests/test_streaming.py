@@ -137,3 +137,20 @@ def test_requests_join_a_running_batch_and_abort_frees_blocks_at_once(llm, promp
 def test_bad_streaming_fields_raise(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_every_public_method_of_a_shut_down_engine_raises_one_clear_error():
+    """The README's first snippet leaves `with LLM(...) as llm:` and later uses llm: whatever it
+    calls then says what happened and what to do, instead of an AttributeError from inside."""
+    with LLM(None, num_kvcache_blocks=64, max_model_len=256) as llm:
+        seq = llm.add_request("Hi", SamplingParams(max_tokens=2))
+    calls = {"add_request": lambda: llm.add_request("Hi", SamplingParams()),
+             "stream_step": llm.stream_step, "step": llm.step,
+             "has_unfinished": llm.has_unfinished, "abort_request": lambda: llm.abort_request(seq),
+             "generate": lambda: llm.generate(["Hi"]),
+             "stream": lambda: next(llm.stream("Hi"))}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="this engine was shut down: create a new LLM"):
+            call()
+            pytest.fail(f"{name} ran on a shut-down engine")
+    llm.shutdown()  # twice is fine
