@@ -1,6 +1,7 @@
 """The README's timeline picture: a small CPU run made so that each scheduler mechanism shows.
 
-    python tools/timeline_demo.py                  # writes docs/timeline.png (about a minute)
+    python tools/timeline_demo.py                  # writes results/timeline.png (about a minute)
+    python tools/timeline_demo.py --out docs/timeline.png   # the README's picture, only when named
     python tools/timeline_demo.py --out t.png --no-overlap
 
 The packaged default model (SmolLM2-135M-Instruct) on the CPU, greedy and ignoring EOS, so every
@@ -17,6 +18,8 @@ import argparse
 from pathlib import Path
 
 from nanoserve import LLM, SamplingParams
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # git-ignored, as bench.py's
 
 SYSTEM = ("You are the demo assistant of nanoserve, a small inference engine written for students. "
           "Answer in two or three plain sentences, without lists, headings or code, and say so "
@@ -43,7 +46,8 @@ def requests(llm: LLM) -> list[tuple[int, list[int], SamplingParams]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).parent.parent / "docs/timeline.png"))
+    parser.add_argument("--out", default=str(RESULTS / "timeline.png"),
+                        help="where the picture goes (results/ is git-ignored; docs/ only by name)")
     parser.add_argument("--no-overlap", action="store_true", help="the plain engine loop")
     args = parser.parse_args()
     with LLM(device="cpu", timeline=True, max_num_batched_tokens=128, kvcache_block_size=16,
@@ -56,6 +60,7 @@ def main() -> None:
                                or not llm.scheduler.has_unfinished()):
                 llm.add_request(*pending.pop(0)[1:])
             llm.step()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         llm.timeline.plot(args.out)
         print(f"{len(llm.timeline.steps)} steps, {llm.scheduler.num_preemptions} preemption(s); "
               f"wrote {args.out}")

@@ -1,0 +1,84 @@
+"""The README as a front page that stays true: its size, its API snippets, its commands' --help.
+
+The ```python blocks of the README's API section are run in order, as one program, in a fresh
+process on the CPU with the packaged default model, so a snippet that a change to the API breaks
+(or one that uses an engine after shutting it down) fails here. The OpenAI client block of the
+Serving section needs a server and is left to tests/test_server.py.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MAX_README_BYTES = 16 * 1024  # the front page stays short; the chapters live in docs/
+
+
+def section(name: str) -> str:
+    """The README's text from the heading `## name` to the next `## ` heading."""
+    text = README.read_text()
+    start = text.index(f"\n## {name}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def api_snippets() -> list[str]:
+    """The ```python blocks of the API section, in order."""
+    return re.findall(r"```python\n(.*?)```", section("API"), flags=re.S)
+
+
+def test_readme_is_under_16_kb() -> None:
+    size = len(README.read_bytes())
+    assert size < MAX_README_BYTES, f"README.md is {size} bytes: move detail into docs/"
+
+
+def test_api_section_has_the_engine_snippets() -> None:
+    snippets = api_snippets()
+    assert len(snippets) >= 2, "the API section lost its generate or streaming snippet"
+    assert "LLM(" in snippets[0] and "generate(" in snippets[0]
+    assert any("stream_step()" in s for s in snippets)
+
+
+@pytest.mark.slow
+def test_api_snippets_run_in_order(tmp_path: Path) -> None:
+    """Every snippet of the API section, as written, one after the other in one process."""
+    program = "\n".join(api_snippets())
+    script = tmp_path / "readme_api.py"
+    script.write_text(program)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env=_cpu_env())
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) >= 3, result.stdout  # generate's text, its ids, the cached count, a stream
+    assert "length" in result.stdout or "stop" in result.stdout  # outs[0]["finish_reason"]
+
+
+@pytest.mark.parametrize("command", [["example.py", "--help"], ["bench.py", "--help"],
+                                     ["tools/timeline_demo.py", "--help"]])
+def test_readme_commands_start_and_write_nothing(command: list[str]) -> None:
+    """The README's commands parse their arguments and leave the working tree as it was."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    before = _porcelain(git)
+    result = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=_cpu_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip()
+    assert _porcelain(git) == before
+
+
+def _porcelain(git: str) -> str:
+    return subprocess.run([git, "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def _cpu_env() -> dict[str, str]:
+    """The environment with the GPU hidden, so the snippets take the CPU path the README's Quick
+    start describes."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
