@@ -5,6 +5,7 @@ process on the CPU with the packaged default model, so a snippet that a change t
 (or one that uses an engine after shutting it down) fails here. The OpenAI client block of the
 Serving section needs a server and is left to tests/test_server.py.
 """
+import importlib.util
 import os
 import re
 import shutil
@@ -35,6 +36,16 @@ def api_snippets() -> list[str]:
 def test_readme_is_under_16_kb() -> None:
     size = len(README.read_bytes())
     assert size < MAX_README_BYTES, f"README.md is {size} bytes: move detail into docs/"
+
+
+def test_readme_names_the_budgets_tools_loc_enforces() -> None:
+    """The Modules section's budget sentence quotes tools/loc.py's limits, so raising one shows."""
+    spec = importlib.util.spec_from_file_location("loc", ROOT / "tools" / "loc.py")
+    loc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loc)
+    modules = section("Modules")
+    assert f"at most {loc.CORE_BUDGET:,} code lines" in modules
+    assert f"at most {loc.TOTAL_BUDGET:,}" in modules
 
 
 def test_api_section_has_the_engine_snippets() -> None:
