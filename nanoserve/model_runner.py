@@ -15,7 +15,6 @@ Called by: llm_engine (run, shutdown), extensions.overlap (run with input ids on
 """
 import gc
 import logging
-import os
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -93,8 +92,6 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif "OMP_NUM_THREADS" not in os.environ:  # CPU: a thread per physical core at most;
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # more wait on each other
         if config.tensor_parallel_size > 1:
             init_process_group(config, rank, port)
         # decode batches up to this size replay a graph: the captured size >= max_num_seqs

@@ -401,7 +401,8 @@ def test_example_chats(kv_cache_dtype):
 CORE_ALONE = """
 import json, sys
 # an editable install of the checkout would serve the missing folders from there
-sys.meta_path = [f for f in sys.meta_path if "__editable__" not in str(getattr(f, "__module__", ""))]
+sys.meta_path = [f for f in sys.meta_path
+                 if "__editable__" not in str(getattr(f, "__module__", ""))]
 import nanoserve
 from nanoserve import LLM, SamplingParams
 prompts = json.load(sys.stdin)

@@ -1,7 +1,7 @@
 """Paged decode: one new query token per sequence attends to its context in the paged KV cache.
 
-Owns the core decode kernel; on the CPU, decode is the prefill reference over each sequence's
-gathered context (tests/decode_ref.py holds the kernel's plain-torch oracle). Program (KV head,
+Owns the core decode kernel and, for the CPU, plain torch over each sequence's gathered context
+(tests/decode_ref.py holds the kernel's plain-torch oracle). Program (KV head,
 sequence) walks the sequence's blocks with an online softmax for the GROUP = H // Hkv query heads
 of that KV head, so K/V are read once per group. Invariant: no host sync, a
 grid from shapes only (CUDA-graph safe). Called by layers.Attention; extensions/cascade.py builds
@@ -16,7 +16,6 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve.kernels.common import use_triton
-from nanoserve.kernels.prefill import context_slots, gather_kv, prefill_attention_ref
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is one instruction on the GPU
 TILE_TOKENS = 64  # K/V rows per loop step, whole blocks: more bytes in flight per program
@@ -118,14 +117,18 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     row, zeros out). D and B powers of two >= 16. Output in q's dtype; fp32 accumulation (fp32
     inputs run the products in TF32). No host sync, grid from shapes only: safe in a CUDA graph.
     """
-    if not use_triton(q):  # the CPU: each context gathered, then the prefill reference
-        cu_k = F.pad(context_lens.cumsum(0), (1, 0)).int()  # (S+1,)
-        slots = context_slots(block_tables, cu_k, k_cache.shape[1], int(cu_k[-1]))
-        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)  # one query per sequence
-        return prefill_attention_ref(q, *gather_kv(k_cache, v_cache, slots, q.dtype), cu_q, cu_k,
-                                     1, int(context_lens.max()), scale)
-    _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
+    if not use_triton(q):  # the CPU: every context gathered, padded to the longest, masked; SDPA
+        pos = torch.arange(triton.cdiv(int(context_lens.max()), B) * B, device=q.device)  # (L,)
+        valid = pos < context_lens[:, None]  # (S, L); padding past a context is zeroed: no NaN
+        slots = block_tables[:, pos // B].clamp(min=0).long() * B + pos % B  # (S, L)
+        k, v = (cache.view(-1, Hkv, D)[slots].float().masked_fill(~valid[..., None, None], 0)
+                for cache in (k_cache, v_cache))  # (S, L, Hkv, D)
+        out = F.scaled_dot_product_attention(q[:, :, None].float(), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=valid[:, None, None],
+                                             scale=scale, enable_gqa=True)  # (S, H, 1, D)
+        return out[:, :, 0].to(q.dtype)
+    _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     out = q.new_empty(S, H, D)  # (S, H, D)
     tile = TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else TILE_TOKENS
     _paged_decode_kernel[(Hkv, S)](
