@@ -55,7 +55,7 @@ class DecodeGraphs:
             for cascade in {False, use_cascade(bs)}:  # the smaller ones reuse its memory
                 self.graphs[bs, cascade] = self._capture(bs, cascade)
         for bs in {bs for bs, _ in self.graphs}:  # load the LM head's GEMM kernels now
-            model.compute_logits(self.buffers["hidden"][:bs])
+            model.lm_head(self.buffers["hidden"][:bs])
         torch.cuda.synchronize()
 
     def _capture(self, bs: int, cascade: bool) -> torch.cuda.CUDAGraph:

@@ -4,7 +4,8 @@ Rank 0 runs in the user's process; ranks 1..N-1 are processes started with spawn
 Every step rank 0 pickles the call ("forward", inputs) into one shared-memory segment and wakes
 each worker with a semaphore (an Event's set() blocks forever if a waiter was killed); every rank
 then runs the same forward pass and meets the others in the collectives (NCCL on GPUs, gloo on
-CPUs). A worker that fails reports its traceback through a queue; rank 0 checks every step.
+CPUs; each rank's ModelRunner joins the process group at the port Workers picked). A worker
+that fails reports its traceback through a queue; rank 0 checks every step.
 Invariant: after Workers.shutdown() no process, shared-memory segment or semaphore is left.
 """
 import contextlib
@@ -29,12 +30,6 @@ DIST_TIMEOUT = timedelta(seconds=120)  # a collective waiting longer for a silen
 WORKER_JOIN_SECONDS = 5  # how long shutdown waits for a worker before killing it
 WORKER_ERROR_WAIT_SECONDS = 0.5  # how long a failure waits for the workers' own error reports
 PEER_EXIT_WAIT_SECONDS = 5  # after a collective fails, how long to wait for a dying worker
-
-
-def init_process_group(config: Config, rank: int, port: int) -> None:
-    backend = "nccl" if config.device == "cuda" else "gloo"  # same code either way
-    dist.init_process_group(backend, world_size=config.tensor_parallel_size, rank=rank,
-                            init_method=f"tcp://127.0.0.1:{port}", timeout=DIST_TIMEOUT)
 
 
 class Workers:

@@ -89,8 +89,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 def cache_round_trip(k: Tensor, v: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """k and v (N, Hkv, D) as a cache of cache_dtype gives them back (an fp8 cache rounds)."""
-    return (kernels.to_cache_dtype(k, cache_dtype).to(k.dtype),
-            kernels.to_cache_dtype(v, cache_dtype).to(v.dtype))
+    return tuple(kernels.to_cache_dtype(x, cache_dtype).to(x.dtype) for x in (k, v))
 
 
 def norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor, attn: "Attention",
@@ -123,8 +122,7 @@ OPS = Ops()
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMS-normalize x; with a residual, first add it (fused add + norm); return the sum too."""
@@ -261,8 +259,7 @@ class Attention(nn.Module):
     def store_kv(self, k: Tensor, v: Tensor) -> None:
         """Write the new tokens' k and v (N, Hkv, D) into the cache at their slots."""
         if self.k_cache.numel():  # the profiling run, before the cache exists, stores nothing
-            slots = get_forward_context().slot_mapping
-            kernels.store_kv(k, v, self.k_cache, self.v_cache, slots)
+            kernels.store_kv(k, v, self.k_cache, self.v_cache, get_forward_context().slot_mapping)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (N, H, D), k and v (N, Hkv, D) of the new tokens, already in the cache -> (N, H, D)."""
@@ -286,7 +283,5 @@ class Sampler(nn.Module):
 
     def forward(self, logits: Tensor, temperatures: Tensor | None,
                 keys: Tensor | None = None) -> Tensor:
-        # logits (S, V); temperatures (S,), None when every row is greedy; keys (S,) int64
-        if temperatures is None:
-            return logits.argmax(-1)  # (S,)
-        return OPS.sample(logits, temperatures, keys)
+        # logits (S, V); temperatures (S,), None when every row is greedy; keys (S,) int64 -> (S,)
+        return logits.argmax(-1) if temperatures is None else OPS.sample(logits, temperatures, keys)

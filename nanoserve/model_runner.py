@@ -25,7 +25,7 @@ from torch import Tensor
 from nanoserve import kernels, layers
 from nanoserve.config import Config, cdiv, extension
 from nanoserve.cuda_graphs import DecodeGraphs, graph_batch_size, pinned
-from nanoserve.distributed import PEER_EXIT_WAIT_SECONDS, Workers, init_process_group
+from nanoserve.distributed import DIST_TIMEOUT, PEER_EXIT_WAIT_SECONDS, Workers
 from nanoserve.layers import ForwardContext, Sampler, forward_context
 from nanoserve.models import DecoderModel
 from nanoserve.scheduler import Batch
@@ -92,8 +92,10 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if config.tensor_parallel_size > 1:
-            init_process_group(config, rank, port)
+        if config.tensor_parallel_size > 1:  # the collectives: NCCL on GPUs, gloo on CPUs
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=rank,
+                                    world_size=config.tensor_parallel_size, timeout=DIST_TIMEOUT,
+                                    init_method=f"tcp://127.0.0.1:{port}")  # rank 0's port
         # decode batches up to this size replay a graph: the captured size >= max_num_seqs
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.max_graph_batch = graph_batch_size(config.max_num_seqs) if use_graphs else 0
@@ -216,11 +218,9 @@ class ModelRunner:
         return self.cascade is not None and self.cascade.use_prefix(num_seqs)
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        width, flat = max(len(seq.block_table) for seq in seqs), []
-        for seq in seqs:  # one flat list, then one conversion: the fastest way to numpy
-            flat += seq.block_table
-            flat += [-1] * (width - len(seq.block_table))
-        return np.array(flat, np.int32).reshape(len(seqs), width)  # (S, width), -1 past the end
+        width = max(len(seq.block_table) for seq in seqs)
+        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]  # -1: none
+        return np.array(rows, np.int32)  # (S, width): one conversion of equal-length rows
 
     # ---- device side: arrays -> logits (every rank) -------------------------------------------
     def to_device(self, array: np.ndarray | Tensor | None) -> Tensor | None:
@@ -246,7 +246,7 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs, input_ids)  # (graph size, hidden)
         # prefill computes logits at each sequence's last new token only; decode at every row
         rows = self.to_device(self._logits_rows(inputs.cu_seqlens_q)) if inputs.is_prefill else None
-        logits = self.model.compute_logits(hidden, rows)  # (rows, V) on rank 0
+        logits = self.model.lm_head(hidden, rows)  # (rows, V) on rank 0
         return None if logits is None else logits[:num_seqs]
 
     def _context(self, inputs: ForwardContext) -> ForwardContext:

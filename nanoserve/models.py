@@ -18,8 +18,7 @@ def rope_theta(cfg: PretrainedConfig) -> float:
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"rope scaling {rope_type!r} is not supported: use a checkpoint with "
-                         "plain rotary")
+        raise ValueError(f"rope scaling {rope_type!r} is not supported: use a plain-rotary model")
     return params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
 
 
@@ -86,7 +85,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, layers, final norm; `compute_logits` applies the LM head to the hidden states."""
+    """Embedding, layers, final norm; the model runner applies `lm_head` to the hidden states
+    (logits of the rows it needs, on rank 0)."""
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
                       "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
@@ -111,9 +111,6 @@ class DecoderModel(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual)
         return self.model.norm(x, residual)[0]  # (N, hidden)
-
-    def compute_logits(self, hidden: Tensor, rows: Tensor | None = None) -> Tensor | None:
-        return self.lm_head(hidden, rows)  # (rows, V) on rank 0, None elsewhere
 
     def attention_layers(self) -> list[layers.Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
