@@ -201,42 +201,23 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, HEAD_D
 # Split heuristics, launch settings and the Python entry points
 # --------------------------------------------------------------------------------------------------
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int,
-                       device: torch.device) -> int:
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, device: torch.device,
+                       prefix: bool = False) -> int:
     """Splits per sequence for cascade_decode, from shapes only (CUDA-graph safe, never from
     context_lens).
 
     Flash-decoding: split each sequence's blocks only until the (sequence, KV head, split) grid has
     SPLIT_PROGRAMS_PER_SM programs for every SM. Large batches get there alone: 1 split, no merge
     launch. Never more splits than block-table columns (a split needs >= 1 block) or MAX_SPLITS.
+
+    prefix=True: the shared prefix's splits for the cascade prefix kernel (never from P), num_seqs
+    counting row tiles: (KV head, row tile) programs, CASCADE_PROGRAMS_PER_SM of them, rounded
+    down: each split adds a partial that the own kernel must read back.
     """
-    splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count(device), num_seqs * num_kv_heads)
+    programs, sms = num_seqs * num_kv_heads, sm_count(device)
+    splits = (CASCADE_PROGRAMS_PER_SM * sms // programs if prefix
+              else triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, programs))
     return max(1, min(splits, max_blocks, MAX_SPLITS))
-
-
-def _prefix_num_splits(row_tiles: int, num_kv_heads: int, max_blocks: int,
-                       device: torch.device) -> int:
-    """Splits of the shared prefix for the cascade prefix kernel, from shapes only (never from P).
-
-    Like default_num_splits with (KV head, row tile) programs in the place of (sequence, KV head)
-    ones, but CASCADE_PROGRAMS_PER_SM, rounded down: each split adds a partial that the own kernel
-    must read back.
-    """
-    splits = CASCADE_PROGRAMS_PER_SM * sm_count(device) // (row_tiles * num_kv_heads)
-    return max(1, min(splits, max_blocks, MAX_SPLITS))
-
-
-def _partial_buffers(q: Tensor, prefix_splits: int, num_splits: int,
-                     out: Tensor) -> tuple[int, Tensor, Tensor]:
-    """Slots for partial results per (sequence, head), and the fp32 partial outputs (S, H, slots,
-    D) and LSEs (S, H, slots). The slots: the prefix splits', then the own splits', unless one own
-    split folds the prefix partials in and writes the answer itself (the big batches cascade is
-    for). With no slots the kernels get `out` in the buffers' place and never write it."""
-    num_slots = prefix_splits + (num_splits if num_splits > 1 else 0)
-    if not num_slots:
-        return 0, out, out
-    lse = q.new_empty(*q.shape[:2], num_slots, dtype=torch.float32)  # (S, H, slots)
-    return num_slots, lse.new_empty(*lse.shape, q.shape[2]), lse  # + outputs (S, H, slots, D)
 
 
 def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -263,9 +244,16 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
         num_splits = default_num_splits(S, Hkv, max_blocks, q.device)
     assert num_splits >= 1
     row_tiles = triton.cdiv(S * group, CASCADE_ROWS)  # (sequence, query head) rows per KV head
-    prefix_splits = _prefix_num_splits(row_tiles, Hkv, max_blocks, q.device) if cascade else 0
+    # the shared prefix's splits (prefix=True): none without one
+    prefix_splits = default_num_splits(row_tiles, Hkv, max_blocks, q.device, True) if cascade else 0
     out = q.new_empty(S, H, D)  # (S, H, D)
-    num_slots, part_out, part_lse = _partial_buffers(q, prefix_splits, num_splits, out)
+    # Slots for partial results per (sequence, head): the prefix splits', then the own splits',
+    # unless one own split folds the prefix partials in and writes the answer itself (the big
+    # batches cascade is for). With no slots the kernels get `out` in the buffers' place and never
+    # write it.
+    num_slots = prefix_splits + (num_splits if num_splits > 1 else 0)
+    part_lse = q.new_empty(S, H, num_slots, dtype=torch.float32) if num_slots else out
+    part_out = part_lse.new_empty(S, H, num_slots, D) if num_slots else out  # fp32 (S, H, slots, D)
     qk_scale = scale * decode.LOG2E  # scores in log2 units: the kernels use exp2
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
     # both kernels walk whole blocks, a tile's worth per loop step (an fp8 tile has twice the rows)
