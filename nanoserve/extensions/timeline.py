@@ -102,10 +102,8 @@ class Timeline(StepObserver):
 
     def _row(self, seq: Sequence, step: int) -> Row:
         # seen at its first prefill at the latest: until then, its tokens are its prompt
-        if seq.seq_id not in self.rows:
-            n = seq.num_prompt_tokens
-            self.rows[seq.seq_id] = Row(seq.seq_id, n, step, num_tokens=n)
-        return self.rows[seq.seq_id]
+        n = seq.num_prompt_tokens
+        return self.rows.setdefault(seq.seq_id, Row(seq.seq_id, n, step, num_tokens=n))
 
     def _prefill_cell(self, row: Row, seq: Sequence, step: int) -> int:
         # its first chunk since it arrived or was preempted starts past the cached prefix
@@ -148,7 +146,21 @@ class Timeline(StepObserver):
         fig = Figure(figsize=(13, height + 5), layout="constrained")
         ax, kv, tok, bs = fig.subplots(4, 1, sharex=True, height_ratios=[height, 1, 1, 1])
         self._draw_requests(ax)
-        self._draw_steps(kv, tok, bs)
+        # per step, as stairs over the requests' cells: KV blocks, tokens, batch size
+        edges = np.arange(len(self.steps) + 1) - 0.5  # (T + 1,)
+        is_prefill, num_seqs, num_tokens, num_used, num_waiting = (
+            np.array(self.steps, int).reshape(-1, len(Step._fields)).T)  # each (T,)
+        kv.stairs(num_used, edges, fill=True, color="#807dba", label="in use")
+        kv.axhline(self.scheduler.stats().num_blocks, color="black", ls="--", label="total")
+        for label, kind, tokens in (("prefill", PREFILL, num_tokens * is_prefill),
+                                    ("decode", DECODE, num_tokens * (1 - is_prefill))):
+            tok.stairs(tokens, edges, fill=True, color=LEGEND[kind][1], label=label)
+        bs.stairs(num_seqs, edges, label="batch size", lw=1.5)
+        bs.stairs(num_waiting, edges, color="grey", label="waiting", lw=1.5)
+        for panel, label in ((kv, "KV blocks"), (tok, "tokens / step"), (bs, "requests")):
+            panel.set_ylabel(label)
+            panel.legend(loc="upper left", bbox_to_anchor=(1.005, 1))
+        bs.set_xlabel("engine step (the batch postprocessed)")
         fig.suptitle(self.title())
         fig.savefig(path, dpi=100)
         return fig
@@ -176,23 +188,6 @@ class Timeline(StepObserver):
         ax.invert_yaxis()
         ax.set_ylabel("request (prompt tokens)")
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1))
-
-    def _draw_steps(self, kv: "Axes", tok: "Axes", bs: "Axes") -> None:
-        """Per step, as stairs over the requests' cells: KV blocks, tokens, batch size."""
-        edges = np.arange(len(self.steps) + 1) - 0.5  # (T + 1,)
-        is_prefill, num_seqs, num_tokens, num_used, num_waiting = (
-            np.array(self.steps, int).reshape(-1, len(Step._fields)).T)  # each (T,)
-        kv.stairs(num_used, edges, fill=True, color="#807dba", label="in use")
-        kv.axhline(self.scheduler.stats().num_blocks, color="black", ls="--", label="total")
-        for label, kind, tokens in (("prefill", PREFILL, num_tokens * is_prefill),
-                                    ("decode", DECODE, num_tokens * (1 - is_prefill))):
-            tok.stairs(tokens, edges, fill=True, color=LEGEND[kind][1], label=label)
-        bs.stairs(num_seqs, edges, label="batch size", lw=1.5)
-        bs.stairs(num_waiting, edges, color="grey", label="waiting", lw=1.5)
-        for panel, label in ((kv, "KV blocks"), (tok, "tokens / step"), (bs, "requests")):
-            panel.set_ylabel(label)
-            panel.legend(loc="upper left", bbox_to_anchor=(1.005, 1))
-        bs.set_xlabel("engine step (the batch postprocessed)")
 
 
 def attach(engine: LLMEngine) -> Timeline:
