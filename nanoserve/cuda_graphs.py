@@ -83,10 +83,10 @@ class DecodeGraphs:
         buf["context_lens"][bs:graph_bs].zero_()  # ...and attend to nothing
         width = inputs.block_tables.shape[1]
         buf["block_tables"][:bs, :width].copy_(pinned(inputs.block_tables), non_blocking=True)
-        common = inputs.num_common_blocks
-        shared = common is not None and common[0] > 0
-        if shared:  # read by cascade graphs only
-            buf["num_common_blocks"].fill_(int(common[0]))
+        # the blocks all sequences share (None: not looked for); read by cascade graphs only
+        shared = 0 if inputs.num_common_blocks is None else int(inputs.num_common_blocks[0])
+        if shared:
+            buf["num_common_blocks"].fill_(shared)
         # the cascade graph only when blocks are shared: else its prefix kernel runs for nothing
-        self.graphs[graph_bs, bool(shared)].replay()
+        self.graphs[graph_bs, shared > 0].replay()
         return buf["hidden"][:graph_bs]

@@ -72,13 +72,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: Tensor, x: Tensor,
-                residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, positions: Tensor, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         # the residual stream is carried separately so each norm can fuse "add, then normalize"
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -94,8 +90,8 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         arch = cfg.architectures[0]
-        qk_norm, qkv_bias = arch == "Qwen3ForCausalLM", arch == "Qwen2ForCausalLM"
-        qkv_bias = qkv_bias or getattr(cfg, "attention_bias", False)
+        qk_norm = arch == "Qwen3ForCausalLM"
+        qkv_bias = arch == "Qwen2ForCausalLM" or getattr(cfg, "attention_bias", False)
         self.model = nn.Module()
         self.model.embed_tokens = layers.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, qkv_bias)
@@ -107,7 +103,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         x = self.model.embed_tokens(input_ids)  # (N, hidden)
-        residual = None
+        residual = x.new_zeros(x.shape)  # the residual stream starts at zero; each layer adds to it
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual)
         return self.model.norm(x, residual)[0]  # (N, hidden)

@@ -26,8 +26,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise OSError(f"no *.safetensors files in {path}: "
-                      "nanoserve reads Hugging Face safetensors checkpoints")
+        raise OSError(f"no *.safetensors files in {path}: nanoserve reads Hugging Face checkpoints")
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -42,11 +41,10 @@ def _load_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tenso
             param = params[name.replace(checkpoint_name, packed_name)]
             param.weight_loader(param, tensor, part)
             return
-    if name not in params:
+    if (param := params.get(name)) is None:
         if "rotary_emb" in name:
             return  # some checkpoints store rotary buffers; nanoserve recomputes them
         raise KeyError(f"checkpoint tensor {name} has no parameter in the model")
-    param = params[name]
     if hasattr(param, "weight_loader"):  # a sharded parameter copies just this rank's part
         param.weight_loader(param, tensor)
     else:

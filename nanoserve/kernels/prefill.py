@@ -65,5 +65,5 @@ def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor,
               dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """K and V (Nk, Hkv, D) of the cache slots (Nk,) in dtype (the queries'): a prefill's whole
     context, packed, for prefix hits. An fp8 cache is dequantized by the cast (scale 1)."""
-    Hkv, D = k_cache.shape[2:]
-    return k_cache.view(-1, Hkv, D)[slots].to(dtype), v_cache.view(-1, Hkv, D)[slots].to(dtype)
+    # (num_blocks * B, Hkv, D): one row per slot
+    return k_cache.flatten(0, 1)[slots].to(dtype), v_cache.flatten(0, 1)[slots].to(dtype)
