@@ -72,16 +72,6 @@ class SamplingHook:
         """May add host copies to out.extras (they are waited for with the tokens)."""
 
 
-def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of tokens [start, end): slot = block_id * block_size + offset in the block."""
-    slots: list[int] = []
-    for i in range(start // block_size, (end - 1) // block_size + 1):
-        base = (block_table[i] - i) * block_size  # token p of block i sits at slot base + p
-        # block i's tokens, clipped to [start, end)
-        slots += range(base + max(start, i * block_size), base + min(end, (i + 1) * block_size))
-    return slots
-
-
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, port: int | None = None,
                  workers: Workers | None = None) -> None:
@@ -186,20 +176,24 @@ class ModelRunner:
         return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
 
     def prepare_prefill(self, batch: Batch) -> ForwardContext:
-        input_ids, positions, slot_mapping, cu_q, cu_k = [], [], [], [0], [0]
+        input_ids, positions, cu_q, cu_k = [], [], [0], [0]
         for seq, start, num_new in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             end = start + num_new
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += token_slots(seq.block_table, start, end, self.block_size)
             cu_q.append(cu_q[-1] + num_new)
             cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
+        positions, block_tables = np.array(positions, np.int64), self.block_tables(batch.seqs)
+        # each token's slot = block_id * B + offset, block_id from its sequence's block table
+        rows = np.repeat(np.arange(len(batch.seqs)), batch.num_new_tokens)  # (N,) its sequence
+        block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
+        slots = block_tables[rows, block_index] * self.block_size + offset  # (N,)
         return ForwardContext(
-            is_prefill=True, input_ids=np.array(input_ids, np.int64),
-            positions=np.array(positions, np.int64), slot_mapping=np.array(slot_mapping, np.int32),
-            cu_seqlens_q=np.array(cu_q, np.int32), cu_seqlens_k=np.array(cu_k, np.int32),
+            is_prefill=True, input_ids=np.array(input_ids, np.int64), positions=positions,
+            slot_mapping=slots.astype(np.int32), cu_seqlens_q=np.array(cu_q, np.int32),
+            cu_seqlens_k=np.array(cu_k, np.int32),
             # prefix-cache hits: attention reads the cached keys through the block tables
-            block_tables=self.block_tables(batch.seqs) if cu_k[-1] > cu_q[-1] else None)
+            block_tables=block_tables if cu_k[-1] > cu_q[-1] else None)
 
     def prepare_decode(self, seqs: list[Sequence]) -> ForwardContext:
         # each sequence computes its newest token, at position num_tokens - 1
