@@ -37,15 +37,13 @@ class Logprobs(StepObserver, SamplingHook):
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             k = seq.params.logprobs
             # a prefill chunk that does not end the prompt samples nothing
-            if k is not None and not seq.is_finished and \
-                    seq.num_computed_tokens + num_new >= seq.num_tokens:
-                seq.logprobs.append({token_ids[i]: chosen[i]} | dict(zip(ids[i][:k],
-                                                                         values[i][:k])))
+            if k is None or seq.is_finished or seq.num_computed_tokens + num_new < seq.num_tokens:
+                continue
+            seq.logprobs.append({token_ids[i]: chosen[i]} | dict(zip(ids[i][:k], values[i][:k])))
 
 
 def attach(engine: LLMEngine) -> Logprobs:
-    logprobs = Logprobs()
-    engine.model_runner.sampling_hooks.append(logprobs)
+    engine.model_runner.sampling_hooks.append(logprobs := Logprobs())
     engine.observers.insert(0, logprobs)
     return logprobs
 

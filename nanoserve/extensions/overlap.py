@@ -78,12 +78,11 @@ class OverlapLoop:
         return Batch(seqs, [1] * len(seqs), is_prefill=False)
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
-        token_ids = out.tolist()
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING and not seq.is_finished:
                 seq.pop_token()  # the real token (postprocess appends it) replaces it
         # a sequence that finished a step ago (EOS seen late) gets no token: postprocess skips it
-        return self.postprocess(batch, out, token_ids)
+        return self.postprocess(batch, out, out.tolist())
 
     def finish(self) -> None:
         """Postprocess the step in flight (launched for sequences that turned out finished)."""

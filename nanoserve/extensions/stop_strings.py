@@ -25,11 +25,10 @@ class StopStringStream(TextStream):
     def update(self, token_ids: list[int], finished: bool) -> None:
         if self.stopped:
             return
-        searched = len(self.text)
+        seen = len(self.text)  # characters searched already
         super().update(token_ids, finished)
         # only the new text, and the last len(s) - 1 characters before it, can hold a new match
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched - len(s) + 1)))
-                >= 0]
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, seen - len(s) + 1))) >= 0]
         if hits:
             self.text, self.stopped = self.text[:min(hits)], True
 
@@ -54,10 +53,10 @@ class StopStrings(StepObserver):
                 continue
             text.update(seq.output_token_ids, seq.is_finished)
             if text.stopped and not seq.is_finished:
-                self.engine.scheduler.abort([seq], reason="stop")
                 stopped.append(seq)
             if text.stopped:  # also when the step ended it otherwise (max_tokens, say)
                 seq.finish_reason = "stop"
+        self.engine.scheduler.abort(stopped, reason="stop")
         return stopped
 
 

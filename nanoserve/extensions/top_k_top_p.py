@@ -23,9 +23,8 @@ def mask_top_k_top_p(logits: Tensor, temperatures: Tensor, top_ks: Tensor,
     fewest tokens whose probability at temperatures (S,) reaches top_ps (S,) (1 = off)."""
     scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
     sorted_logits, order = scaled.sort(-1, descending=True)  # (S, V)
-    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)  # (1, V)
     k = torch.where(top_ks > 0, top_ks, logits.shape[-1]).unsqueeze(1)  # (S, 1)
-    drop = ranks >= k
+    drop = torch.arange(logits.shape[-1], device=logits.device) >= k  # (S, V): ranks from k on
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # drop a token when the tokens before it reach p (the most likely one always stays)
     drop |= (probs.cumsum(-1) - probs) >= top_ps.unsqueeze(1)
@@ -47,6 +46,5 @@ class TopKTopP(SamplingHook):
 
 
 def attach(engine: LLMEngine) -> TopKTopP:
-    hook = TopKTopP(engine.model_runner)
-    engine.model_runner.sampling_hooks.append(hook)
+    engine.model_runner.sampling_hooks.append(hook := TopKTopP(engine.model_runner))
     return hook

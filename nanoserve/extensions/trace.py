@@ -45,9 +45,8 @@ class Trace(StepObserver):
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
         now, stats = time.perf_counter(), self.scheduler.stats()
-        d = stats._replace(**{k: getattr(stats, k) - getattr(self.last, k)  # this step's counts
-                              for k in ("num_preemptions", "num_allocated", "num_freed",
-                                        "num_hits")})
+        # this step's counts: the differences of the counters (num_preemptions and after)
+        d = type(stats)(*(new - old for new, old in zip(stats, self.last)))
         logger.info(f"{'prefill' if batch.is_prefill else 'decode':7s} seqs={len(batch.seqs):<3d} "
                     f"tokens={sum(batch.num_new_tokens):<5d} {(now - self.last_time) * 1e3:6.1f} ms"
                     f" | blocks: +{d.num_allocated} allocated -{d.num_freed} freed {d.num_hits} "
