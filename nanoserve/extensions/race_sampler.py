@@ -100,9 +100,8 @@ def sample(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
     (S, V), K = logits.shape, SAMPLE_CHUNK
     assert logits.stride(1) == 1 and temperatures.shape == keys.shape == (S,)
     C = triton.cdiv(V, K)
-    top, lse = (torch.empty(S, C, dtype=torch.float32, device=logits.device) for _ in range(2))
-    top_index = torch.empty(S, C, dtype=torch.int64, device=logits.device)  # (S, C)
-    out = torch.empty(S, dtype=torch.int64, device=logits.device)
+    top, lse = (logits.new_empty(S, C, dtype=torch.float32) for _ in range(2))  # (S, C) each
+    top_index, out = logits.new_empty(S, C, dtype=torch.int64), torch.empty_like(keys)  # (S,)
     _chunk_stats_kernel[(S, C)](logits, temperatures, top, top_index, lse, V, logits.stride(0), C,
                                 CHUNK=K)
     _pick_token_kernel[(S,)](logits, temperatures, keys, top, top_index, lse, out, V,

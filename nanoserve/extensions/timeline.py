@@ -133,9 +133,8 @@ class Timeline(StepObserver):
         return (f"{Path(c.model).name} on {c.device}, tp={c.tensor_parallel_size}: "
                 f"{len(self.rows)} requests in {len(self.steps)} steps\n"
                 f"{self.scheduler.stats().num_blocks} KV blocks of {c.kvcache_block_size} tokens, "
-                f"max_num_batched_tokens={c.max_num_batched_tokens}, "
-                f"max_num_seqs={c.max_num_seqs}, enable_prefix_caching={c.enable_prefix_caching}"
-                f", overlap_scheduling={overlap}")
+                f"max_num_batched_tokens={c.max_num_batched_tokens}, max_num_seqs={c.max_num_seqs}"
+                f", enable_prefix_caching={c.enable_prefix_caching}, overlap_scheduling={overlap}")
 
     def plot(self, path: str | Path) -> "Figure":
         """Draw the run and save it to path (the format by its suffix); return the figure."""
