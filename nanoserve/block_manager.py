@@ -78,8 +78,8 @@ class BlockManager:
         if num_revived + seq.num_blocks - len(hits) > self.num_free_blocks:
             return False
         for block in (self.blocks[b] for b in hits):
-            if block.ref_count == 0:  # a hit on a freed block takes it back from the pool
-                del self.free_block_ids[block.block_id]
+            # a hit on a freed block takes it back from the pool (a block in use is not in it)
+            self.free_block_ids.pop(block.block_id, None)
             block.ref_count += 1
         seq.block_table = hits + [self._allocate_fresh() for _ in range(seq.num_blocks - len(hits))]
         # logits need at least one computed token: a fully cached prompt recomputes its last one
@@ -130,8 +130,7 @@ class BlockManager:
         return self.num_missing_blocks(seq) <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence) -> None:
-        while len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._allocate_fresh())
+        seq.block_table += [self._allocate_fresh() for _ in range(self.num_missing_blocks(seq))]
 
     # ---- prefix cache: register the blocks a step computes --------------------------------------
     def register_blocks(self, seq: Sequence, num_tokens: int) -> None:

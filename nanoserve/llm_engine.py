@@ -175,8 +175,7 @@ class LLMEngine:
         # set(map(type, ...)), min and max loop in C: a per-token isinstance is ten times slower
         types = set(map(type, token_ids))  # numpy integers are welcome; floats, bools not
         if not all(issubclass(t, numbers.Integral) and t is not bool for t in types):
-            names = sorted({t.__name__ for t in types})
-            raise ValueError(f"token ids must be integers, got {names}")
+            raise ValueError(f"token ids must be integers, got {sorted(t.__name__ for t in types)}")
         token_ids = list(map(int, token_ids)) if types != {int} else token_ids
         if not 0 <= min(token_ids) <= max(token_ids) < self.config.hf_config.vocab_size:
             raise ValueError(f"token ids {min(token_ids)}..{max(token_ids)} reach outside the "
@@ -262,18 +261,17 @@ class LLMEngine:
         text = self.streams.get(seq.seq_id)
         if text is None or not text.streamed:
             return None
-        new_ids = seq.output_token_ids[text.num_sent_tokens:]
-        if not new_ids and not seq.is_finished:
+        start, end = text.num_sent_tokens, seq.num_output_tokens  # the new tokens: [start, end)
+        if start == end and not seq.is_finished:
             return None
         text.update(seq.output_token_ids, seq.is_finished)
-        start, text.num_sent_tokens = text.num_sent_tokens, text.num_sent_tokens + len(new_ids)
+        text.num_sent_tokens = end
         if seq.is_finished:
             del self.streams[seq.seq_id]
-        logprobs = (seq.logprobs[start:text.num_sent_tokens]
-                    if seq.params.logprobs is not None else None)
-        return RequestOutput(seq.seq_id, text.delta(seq.is_finished), new_ids, logprobs,
-                             seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                             seq.num_output_tokens)
+        logprobs = seq.logprobs[start:end] if seq.params.logprobs is not None else None
+        return RequestOutput(seq.seq_id, text.delta(seq.is_finished), seq.output_token_ids[start:],
+                             logprobs, seq.finish_reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, seq.num_output_tokens)
 
     # ---- the whole loop -----------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]],
@@ -316,13 +314,11 @@ class LLMEngine:
                 num_tokens += len(batch.seqs)  # a token each, but for prompt chunks
                 rate = num_tokens / (time.perf_counter() - start)
                 bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
-                for seq in finished:
-                    if seq.seq_id in ids:
-                        text = self.streams.get(seq.seq_id)  # with stop strings: cut there
-                        texts[seq.seq_id] = self.tokenizer.decode(
-                            seq.output_token_ids, skip_special_tokens=True) if text is None \
-                            else text.text
-                        bar.update(1)
+                for seq in (seq for seq in finished if seq.seq_id in ids):
+                    text = self.streams.get(seq.seq_id)  # with stop strings: cut there
+                    texts[seq.seq_id] = text.text if text is not None else self.tokenizer.decode(
+                        seq.output_token_ids, skip_special_tokens=True)
+                    bar.update(1)
             if self.loop is not None:
                 self.loop.finish()  # a step launched for sequences that turned out finished
         finally:

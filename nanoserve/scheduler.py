@@ -101,14 +101,13 @@ class Scheduler:
         seqs: list[Sequence] = []
         while self.running and len(seqs) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if not self.running:
-                    self._preempt(seq)  # the oldest alone does not fit: it waits for free blocks
-                    break
-                self._preempt(self.running.pop())
-            else:
+            while not self.block_manager.can_append(seq) and self.running:
+                self._preempt(self.running.pop())  # the newest gives its blocks back
+            if self.block_manager.can_append(seq):
                 self.block_manager.append_slot(seq)
                 seqs.append(seq)
+            else:
+                self._preempt(seq)  # the oldest alone does not fit: it waits for free blocks
         self.running.extendleft(reversed(seqs))  # keep arrival order: oldest first
         # the batch runs longest context first: the decode kernel starts its programs in batch
         # order, and starting the longest work first lets the SMs finish together
@@ -135,11 +134,9 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token is sampled until the whole prompt is cached
             seq.append_token(token_id)
-            seq.finish_reason = self._finish_reason(seq, token_id)
-            if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.free(seq)
-                self.running.remove(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.abort([seq], reason)  # finished: out of `running`, its blocks freed
                 finished.append(seq)
         return finished
 
