@@ -54,11 +54,10 @@ def _is_a(x: object, types: type | tuple[type, ...]) -> bool:
 
 
 # the checks of Config's fields that hold on any machine (the GPU and the checkpoint add more)
+# Config fields that count something (sequences, tokens, ranks): each at least 1
+SIZES = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size")
 CONFIG_CHECKS: tuple[Check, ...] = (
-    ("max_num_seqs", lambda v: v >= 1, "at least 1"),
-    ("max_num_batched_tokens", lambda v: v >= 1, "at least 1"),
-    ("max_model_len", lambda v: v >= 1, "at least 1"),
-    ("tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+    *((name, lambda v: v >= 1, "at least 1") for name in SIZES),
     ("kvcache_block_size", lambda v: v >= 1 and not v & (v - 1), "a power of two"),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("dtype", lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {list(DTYPES)}"),
@@ -102,9 +101,8 @@ class Config:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # the decode kernel's tl.dot (tensor cores) needs at least 16 rows per block
-        if self.device == "cuda" and self.kvcache_block_size < 16:
-            raise ValueError("kvcache_block_size must be at least 16 on the GPU, got "
-                             f"{self.kvcache_block_size}")
+        check_fields(self, (("kvcache_block_size", lambda v: self.device != "cuda" or v >= 16,
+                             "at least 16 on the GPU"),))
         self.torch_dtype = self._resolve_dtype()
         self.max_model_len = min(self.max_model_len, getattr(
             self.hf_config, "max_position_embeddings", self.max_model_len))
