@@ -38,8 +38,7 @@ def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         # an ordered set: O(1) removal on a hit, O(1) oldest-freed first on allocation (a plain

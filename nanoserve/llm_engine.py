@@ -145,11 +145,11 @@ class LLMEngine:
             self.extensions[name] = extension(name).attach(self)
 
     def _eos_token_ids(self) -> set[int]:
-        ids = {self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id}
+        ids = [self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id]
         with suppress(OSError):  # no generation_config.json
-            gen = GenerationConfig.from_pretrained(self.config.model).eos_token_id
-            ids |= set(gen) if isinstance(gen, list) else {gen}
-        return {i for i in ids if i is not None}
+            ids.append(GenerationConfig.from_pretrained(self.config.model).eos_token_id)
+        # each is one id, a list of ids, or None
+        return {j for i in ids for j in (i if isinstance(i, list) else [i]) if j is not None}
 
     def _check_running(self) -> None:
         if self.model_runner is None:
