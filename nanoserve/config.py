@@ -53,9 +53,9 @@ def _is_a(x: object, types: type | tuple[type, ...]) -> bool:
     return isinstance(x, types) and not isinstance(x, bool)
 
 
-# the checks of Config's fields that hold on any machine (the GPU and the checkpoint add more)
 # Config fields that count something (sequences, tokens, ranks): each at least 1
 SIZES = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size")
+# the checks of Config's fields that hold on any machine (the GPU and the checkpoint add more)
 CONFIG_CHECKS: tuple[Check, ...] = (
     *((name, lambda v: v >= 1, "at least 1") for name in SIZES),
     ("kvcache_block_size", lambda v: v >= 1 and not v & (v - 1), "a power of two"),
