@@ -498,7 +498,7 @@ POINTER_TYPES = {  # others hold the model dtype
     "positions_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
     "num_common_ptr": "*i32", "slot_mapping_ptr": "*i32", "temperatures_ptr": "*fp32",
     "keys_ptr": "*i64", "lse_ptr": "*fp32", "top_index_ptr": "*i64", "tokens_ptr": "*i64"}
-DECODE_TILES = dict(BLOCK_SIZE=16, TILE=64)
+DECODE_TILES = dict(BLOCK_SIZE=16, BLOCKS_PER_ITER=4)
 SM90_MODULES = {"fused": fused, "decode": decode, "cascade": cascade, "race_sampler": race_sampler}
 SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches for Qwen3-0.6B heads
     # with an fp8 cache (the cache pointers' type), then in the model dtype
@@ -509,10 +509,10 @@ SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches fo
           NUM_STAGES=decode.NUM_STAGES)),
     ("cascade._cascade_decode_kernel@fp8",
      dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, NUM_STAGES=cascade.DECODE_NUM_STAGES, CASCADE=True,
-          SINGLE_SPLIT=True, BLOCK_SIZE=16, TILE=cascade.DECODE_TILE_TOKENS_FP8)),
+          SINGLE_SPLIT=True, BLOCK_SIZE=16, BLOCKS_PER_ITER=cascade.DECODE_TILE_TOKENS_FP8 // 16)),
     ("cascade._cascade_prefix_kernel@fp8",
      dict(GROUP=2, ROWS=64, HEAD_DIM=128, NUM_STAGES=cascade.CASCADE_NUM_STAGES, BLOCK_SIZE=16,
-          TILE=cascade.DECODE_TILE_TOKENS_FP8)),
+          BLOCKS_PER_ITER=cascade.DECODE_TILE_TOKENS_FP8 // 16)),
     ("fused._rotary_store_kernel",
      dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
     ("fused._rotary_store_kernel",

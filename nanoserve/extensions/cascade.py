@@ -20,7 +20,7 @@ from torch import Tensor
 from nanoserve.config import Config
 from nanoserve.kernels import decode
 from nanoserve.kernels.common import use_triton
-from nanoserve.kernels.decode import _attend_range, _dot_dtype  # the core's loop, reused
+from nanoserve.kernels.decode import _attend_tile, _dot_dtype  # the core's tile step, reused
 from nanoserve.layers import ForwardContext
 from nanoserve.models import DecoderModel
 
@@ -80,27 +80,38 @@ def _cascade_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
                            first_slot, num_slots, q_stride_s, q_stride_h, cache_stride_block,
                            cache_stride_token, block_tables_stride, GROUP: tl.constexpr,
                            GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                           CASCADE: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
+                           BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
+                           NUM_STAGES: tl.constexpr, CASCADE: tl.constexpr,
+                           SINGLE_SPLIT: tl.constexpr):
     # KV heads vary fastest in the grid: the GPU starts programs in that order, so a batch sorted
     # longest context first (the scheduler's order) starts its longest work first; SMs end together
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    TILE: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER  # tokens per step: whole blocks, no straddle
     context_len = tl.load(context_lens_ptr + seq)
     # with CASCADE the first P blocks are the shared prefix: _cascade_prefix_kernel reads them
     first_block = tl.load(num_common_ptr) if CASCADE else 0
     block_start, block_end = _split_block_range(context_len, first_block, BLOCK_SIZE)
-    offs_g, offs_d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
+    offs_g, offs_d, offs_t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
     heads = kv_head * GROUP + offs_g  # (GROUP_PAD,) query heads of this KV head: one K/V read
-    q = _dot_dtype(tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
-                           mask=offs_g[:, None] < GROUP, other=0.0), k_cache_ptr)  # (GROUP_PAD, D)
-    # the split's tokens: whole blocks, the last one ragged
-    m_i, l_i, acc = _attend_range(q, k_cache_ptr, v_cache_ptr,
-                                  block_tables_ptr + seq * block_tables_stride,
-                                  block_start * BLOCK_SIZE,
-                                  tl.minimum(block_end * BLOCK_SIZE, context_len),
-                                  kv_head * HEAD_DIM, cache_stride_block, cache_stride_token,
-                                  qk_scale, v_scale, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE,
-                                  NUM_STAGES)
+    # Padded to >= 16 rows so both products run on tensor cores (tl.dot); the extra rows are zeros
+    # and the math is free in a memory-bound kernel, cheaper than a broadcast-multiply-sum, whose
+    # cross-thread reductions cost more than the wasted rows.
+    q = tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
+                mask=offs_g[:, None] < GROUP, other=0.0)  # (GROUP_PAD, D)
+    q = _dot_dtype(q, k_cache_ptr)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
+    for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
+        seq_block = block + offs_t // BLOCK_SIZE  # (TILE,) the sequence's block index of each row
+        in_split = seq_block < block_end  # never read block-table entries past the sequence's end
+        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + seq_block, mask=in_split,
+                           other=0)  # (TILE,)
+        offset = offs_t % BLOCK_SIZE
+        valid = in_split & (seq_block * BLOCK_SIZE + offset < context_len)  # ragged last block
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset,
+                                     valid, kv_head * HEAD_DIM, offs_d, cache_stride_block,
+                                     cache_stride_token, qk_scale, v_scale)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
         m_i, l_i, acc = _fold_partials(m_i, l_i, acc, q_rows, offs_g < GROUP, offs_d, first_slot,
@@ -152,8 +163,8 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
                            num_common_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_seqs,
                            num_slots, q_stride_s, q_stride_h, cache_stride_block,
                            cache_stride_token, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                           NUM_STAGES: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                           BLOCKS_PER_ITER: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Program (KV head, row tile, prefix split): ROWS query rows of many sequences against one split
     # of the shared prefix, so each prefix K/V tile is loaded once per ROWS rows, not per sequence.
     kv_head, row_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -161,16 +172,23 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     block_start, block_end = _split_block_range(prefix_len, 0, BLOCK_SIZE)
     offs_r = row_tile * ROWS + tl.arange(0, ROWS)  # (ROWS,) sequence-major: row = seq * GROUP + g
     seq, heads = offs_r // GROUP, kv_head * GROUP + offs_r % GROUP  # (ROWS,) sequence, query head
-    offs_d, row_mask = tl.arange(0, HEAD_DIM), seq < num_seqs
+    offs_d, offs_t = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)  # (TILE,)
+    row_mask = seq < num_seqs
     load_q = seq < tl.where(block_start < block_end, num_seqs, 0)  # an idle split: no q loads
     q = tl.load(q_ptr + seq[:, None] * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
                 mask=load_q[:, None], other=0.0)  # (ROWS, D)
-    # row 0 of the block tables: every row has the same prefix, whose blocks are full
-    m_i, l_i, acc = _attend_range(_dot_dtype(q, k_cache_ptr), k_cache_ptr, v_cache_ptr,
-                                  block_tables_ptr, block_start * BLOCK_SIZE,
-                                  block_end * BLOCK_SIZE, kv_head * HEAD_DIM, cache_stride_block,
-                                  cache_stride_token, qk_scale, v_scale, ROWS, HEAD_DIM,
-                                  BLOCK_SIZE, TILE, NUM_STAGES)
+    q = _dot_dtype(q, k_cache_ptr)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
+        seq_block = block + offs_t // BLOCK_SIZE  # (TILE,)
+        valid = seq_block < block_end  # prefix blocks are full: only the split's end masks
+        # row 0 of the block tables: every row has the same prefix
+        block_id = tl.load(block_tables_ptr + seq_block, mask=valid, other=0)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id,
+                                     offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
+                                     cache_stride_block, cache_stride_token, qk_scale, v_scale)
     # a padded CUDA-graph row (context_len 0) does not hold the prefix: drop its share (LSE -inf)
     l_i = tl.where(tl.load(context_lens_ptr + seq, mask=row_mask, other=0) >= prefix_len, l_i, 0.0)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (ROWS,) rows of out (S * H, D)
@@ -258,7 +276,7 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
     # both kernels walk whole blocks, a tile's worth per loop step (an fp8 tile has twice the rows)
     tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
-    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, TILE=max(B, tile))
+    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=max(1, tile // B))
     if cascade:  # launched first: the per-sequence kernel folds its partials in
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
@@ -266,7 +284,7 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
             NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch)
         # A sequence's own blocks after a shared prefix are often few, and the last tile's empty
         # rows cost an fp8 tile its conversions all the same: the own blocks go in bf16's tiles
-        launch["TILE"] = max(B, DECODE_TILE_TOKENS)
+        launch["BLOCKS_PER_ITER"] = max(1, DECODE_TILE_TOKENS // B)
     _cascade_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         qk_scale, decode.FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),

@@ -5,7 +5,7 @@ Owns the core decode kernel and, for the CPU, plain torch over each sequence's g
 sequence) walks the sequence's blocks with an online softmax for the GROUP = H // Hkv query heads
 of that KV head, so K/V are read once per group. Invariant: no host sync, a
 grid from shapes only (CUDA-graph safe). Called by layers.Attention; extensions/cascade.py builds
-split-KV and cascade attention on _attend_range. KV cache: (num_blocks, B, Hkv, D), slot = block_id
+split-KV and cascade attention on _attend_tile. KV cache: (num_blocks, B, Hkv, D), slot = block_id
 * B + offset, in the model's dtype or fp8 e4m3 (dequantized in registers).
 """
 
@@ -34,42 +34,28 @@ def _dot_dtype(q, k_cache_ptr):
 
 
 @triton.jit
-def _attend_range(q, k_cache_ptr, v_cache_ptr, table_ptr, lo, hi, head_base, cache_stride_block,
-                  cache_stride_token, qk_scale, v_scale, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Online softmax of q (ROWS, D) over the cached tokens [lo, hi) of the block table at
-    table_ptr, TILE tokens a step, each looking up its own block (slot = block_id * B + token % B).
-    Returns (m_i, l_i, acc): the running max of the scores (log2 units), the softmax denominator
-    (ROWS,) and the numerator (ROWS, D), all fp32."""
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    offs_d, offs_t = tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
-    for start in tl.range(lo, hi, TILE, num_stages=NUM_STAGES):
-        token = start + offs_t  # (TILE,) positions in the sequence
-        valid = token < hi  # the ragged last block; never read table entries past it
-        block_id = tl.load(table_ptr + token // BLOCK_SIZE, mask=valid, other=0)  # (TILE,)
-        offset = token % BLOCK_SIZE
-        rows = block_id.to(tl.int64) * cache_stride_block + offset * cache_stride_token + head_base
-        # issue K and V loads together: more bytes in flight per program hides HBM latency
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # dequantized in registers, to q's fp16
-            # V times its scale, a run-time value: the multiply also makes Triton widen V before
-            # the shared-memory stage that transposes V for p @ v, where ldmatrix.trans moves
-            # 16-bit values (e4m3 ones would be read back one byte at a time: docs/performance.md)
-            k, v = k.to(q.dtype), v.to(q.dtype) * tl.cast(v_scale, q.dtype)
-        # (ROWS, TILE) fp32 scores, the scale folded with log2(e); invalid tokens -inf
-        s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        # every tile has >= 1 valid token (it starts below hi): m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (ROWS, D) fp32 accumulation
-        m_i = m_new
-    return m_i, l_i, acc
-
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, valid, head_base,
+                 offs_d, cache_stride_block, cache_stride_token, qk_scale, v_scale):
+    """One online-softmax step of q (ROWS, D) over a tile of cached tokens, at (block_id, offset)
+    (TILE,) each; returns the new (m_i, l_i, acc)."""
+    rows = block_id.to(tl.int64) * cache_stride_block + offset * cache_stride_token + head_base
+    # issue K and V loads together: more bytes in flight per program hides HBM latency
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # dequantized in registers, to q's fp16
+        # V times its scale, a run-time value: the multiply also makes Triton widen V before the
+        # shared-memory stage that transposes V for p @ v, where ldmatrix.trans moves 16-bit
+        # values (e4m3 ones would be read back one byte at a time: docs/performance.md)
+        k, v = k.to(q.dtype), v.to(q.dtype) * tl.cast(v_scale, q.dtype)
+    # (ROWS, TILE) fp32 scores, the scale folded with log2(e); invalid tokens -inf
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+    # Online softmax: every tile has >= 1 valid token (it starts below block_end): m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (ROWS, D) fp32 accumulation
+    return m_new, l_i, acc
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -80,17 +66,26 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     # KV heads vary fastest in the grid: a sequence's programs run together, and a batch sorted
     # longest context first (the scheduler's order) starts its longest work first
     kv_head, seq = tl.program_id(0), tl.program_id(1)
-    offs_g, offs_d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
+    context_len = tl.load(context_lens_ptr + seq)
+    offs_g, offs_d, offs_t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
     heads = kv_head * GROUP + offs_g  # (GROUP_PAD,) query heads of this KV head: one K/V read
     # Padded to >= 16 rows so both products run on tensor cores (tl.dot); the extra rows are zeros
     # and their math is free in a memory-bound kernel.
     q = _dot_dtype(tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
                            mask=offs_g[:, None] < GROUP, other=0.0), k_cache_ptr)  # (GROUP_PAD, D)
-    m_i, l_i, acc = _attend_range(q, k_cache_ptr, v_cache_ptr,
-                                  block_tables_ptr + seq * block_tables_stride, 0,
-                                  tl.load(context_lens_ptr + seq), kv_head * HEAD_DIM,
-                                  cache_stride_block, cache_stride_token, qk_scale, v_scale,
-                                  GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE, NUM_STAGES)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
+    # TILE tokens per step, each looking up its own block; with TILE a multiple of B (the default
+    # tiles, B <= 64) a step reads whole blocks
+    for start in tl.range(0, context_len, TILE, num_stages=NUM_STAGES):
+        token = start + offs_t  # (TILE,) positions in the sequence
+        valid = token < context_len  # the ragged last block; never read table entries past it
+        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + token // BLOCK_SIZE,
+                           mask=valid, other=0)  # (TILE,) slot = block_id * B + token % B
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id,
+                                     token % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
+                                     cache_stride_block, cache_stride_token, qk_scale, v_scale)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context_len 0: zeros, not NaN
     rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
