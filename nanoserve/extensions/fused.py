@@ -49,7 +49,8 @@ def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
                             layers.get_forward_context().slot_mapping, norm)
 
 
-def ops() -> layers.Ops:
+@functools.cache  # one compile per process: each new wrapper would compile again, and dynamo
+def ops() -> layers.Ops:  # falls back to eager once a function has been compiled too often
     """The fused elementwise steps, for layers.OPS."""
     return layers.Ops(rms_norm=gpu_compiled(rms_norm_ref),
                       add_rms_norm=gpu_compiled(layers.add_rms_norm),
