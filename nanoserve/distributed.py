@@ -17,9 +17,11 @@ import pickle
 import queue
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Semaphore
+from typing import Any
 
 import torch.distributed as dist
 
@@ -35,7 +37,9 @@ PEER_EXIT_WAIT_SECONDS = 5  # after a collective fails, how long to wait for a d
 class Workers:
     """Rank 0's handle on ranks 1..N-1: start them, call them, check them, stop them."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, make_runner: Callable[[Config, int, int], Any]) -> None:
+        """make_runner(config, rank, port): what each worker serves calls on (a ModelRunner;
+        passed in, so this module never imports the model runner, which imports it)."""
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel engine (one process "
                                "group per process): shut it down first, or use another process")
@@ -49,7 +53,7 @@ class Workers:
         self.procs: list[mp.Process] = []
         try:
             for rank, wakeup in enumerate(self.wakeups, start=1):
-                args = (config, rank, self.shm.name, wakeup, self.port, self.errors)
+                args = (make_runner, config, rank, self.shm.name, wakeup, self.port, self.errors)
                 proc = ctx.Process(target=worker_main, args=args, daemon=True)
                 proc.start()
                 self.procs.append(proc)
@@ -101,16 +105,14 @@ class Workers:
         gc.collect()
 
 
-def worker_main(config: Config, rank: int, shm_name: str, wakeup: Semaphore, port: int,
-                errors: mp.Queue) -> None:
+def worker_main(make_runner: Callable[[Config, int, int], Any], config: Config, rank: int,
+                shm_name: str, wakeup: Semaphore, port: int, errors: mp.Queue) -> None:
     """Entry point of ranks 1..N-1: build the same model shard, then serve rank 0's calls."""
     # a daemon process may not start children, and torch.compile's compile pool is one
     import torch._inductor.config
-
-    from nanoserve.model_runner import ModelRunner  # (model_runner imports this module)
     torch._inductor.config.compile_threads = 1
     try:
-        runner, shm = ModelRunner(config, rank, port), SharedMemory(shm_name)
+        runner, shm = make_runner(config, rank, port), SharedMemory(shm_name)
         while True:
             wakeup.acquire()
             method, args = pickle.loads(shm.buf[4:4 + int.from_bytes(shm.buf[:4], "little")])

@@ -112,7 +112,7 @@ class LLMEngine:
         self.config = cfg = Config(model or default_model_dir(), **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         # ranks 1..N-1 in their own processes
-        self.workers = Workers(cfg) if cfg.tensor_parallel_size > 1 else None
+        self.workers = Workers(cfg, ModelRunner) if cfg.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
         atexit.register(self.shutdown)
         try:  # a model runner that fails to start: the workers already started stop
@@ -305,7 +305,9 @@ class LLMEngine:
         its sequence finishes (while the GPU already runs the next step, with overlap)."""
         texts: dict[int, str] = {}
         self.scheduler.add(*seqs)
-        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        # disable=None: no bar where stderr is no terminal (a log file), where redraws pile up
+        bar = tqdm(total=len(seqs), desc="Generating", disable=None if use_tqdm else True,
+                   dynamic_ncols=True)
         ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
         start, num_tokens = time.perf_counter(), 0
         try:
