@@ -305,9 +305,7 @@ class LLMEngine:
         its sequence finishes (while the GPU already runs the next step, with overlap)."""
         texts: dict[int, str] = {}
         self.scheduler.add(*seqs)
-        # disable=None: no bar where stderr is no terminal (a log file), where redraws pile up
-        bar = tqdm(total=len(seqs), desc="Generating", disable=None if use_tqdm else True,
-                   dynamic_ncols=True)
+        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
         start, num_tokens = time.perf_counter(), 0
         try:
