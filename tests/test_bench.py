@@ -3,7 +3,9 @@ GPU sample summary, the chart, the timing loop with a fake engine, and a smoke r
 on a tiny random Qwen3 (seconds on a CPU)."""
 import argparse
 import contextlib
+import functools
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -285,9 +287,12 @@ def repo_unchanged(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
             path.unlink()
 
 
-def test_bench_writes_into_results_not_docs(tiny_model, monkeypatch):
+def test_bench_writes_into_results_not_docs(tiny_model, monkeypatch, request):
     """A smoke run and a redraw with no output path: results/, never docs/ or a tracked file."""
     monkeypatch.setattr(bench, "resolve_model_dir", lambda args, cpu: tiny_model)
+    # bench.main turns nanoserve's INFO lines on for its process: here, for this test only
+    logger = logging.getLogger("nanoserve")
+    request.addfinalizer(functools.partial(logger.setLevel, logger.level))
     with repo_unchanged(monkeypatch) as written:
         bench.main(["--tiny", "--cpu", "--engines", "nanoserve", "--workload", "w2",
                     "--num-seqs", "2", "--max-input-len", "16", "--max-output-len", "2"])
