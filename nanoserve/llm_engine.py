@@ -13,7 +13,9 @@ Invariant: after generate() returns or raises, no sequence of that call is left 
 """
 import atexit
 import gc
+import math
 import numbers
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import suppress
@@ -305,7 +307,11 @@ class LLMEngine:
         its sequence finishes (while the GPU already runs the next step, with overlap)."""
         texts: dict[int, str] = {}
         self.scheduler.add(*seqs)
-        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        # where stderr is no terminal (a log file), the bar is drawn once, at the end: its
+        # redraws would come between the trace's lines there
+        tty = sys.stderr.isatty()
+        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True,
+                   delay=0 if tty else math.inf)
         ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
         start, num_tokens = time.perf_counter(), 0
         try:
@@ -324,6 +330,8 @@ class LLMEngine:
         finally:
             if self.loop is not None:
                 self.loop.cancel()  # after a failure: drop the step in flight
+            if use_tqdm and not tty:
+                print(bar, file=sys.stderr)
             bar.close()
         return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids,
                  "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}

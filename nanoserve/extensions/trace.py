@@ -32,8 +32,8 @@ def show_trace() -> None:
     unless a handler of the program's (or pytest's) would already print it."""
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():
-        handler = TqdmHandler()
+    if not logger.hasHandlers():  # on a terminal, above the bar; in a log file, line by line
+        handler = TqdmHandler() if sys.stderr.isatty() else logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         logger.addHandler(handler)
 
