@@ -105,6 +105,13 @@ class TextStream:
         return out
 
 
+def progress_bar(total: int, shown: bool) -> tqdm:
+    """generate()'s bar. Where stderr is no terminal (a log file) it is drawn once, at the end
+    (by its caller): its redraws would come between the trace's lines there."""
+    return tqdm(total=total, desc="Generating", disable=not shown, dynamic_ncols=True,
+                delay=0 if sys.stderr.isatty() else math.inf)
+
+
 class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         names = [f.name for f in fields(Config)]
@@ -307,11 +314,7 @@ class LLMEngine:
         its sequence finishes (while the GPU already runs the next step, with overlap)."""
         texts: dict[int, str] = {}
         self.scheduler.add(*seqs)
-        # where stderr is no terminal (a log file), the bar is drawn once, at the end: its
-        # redraws would come between the trace's lines there
-        tty = sys.stderr.isatty()
-        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True,
-                   delay=0 if tty else math.inf)
+        bar = progress_bar(len(seqs), use_tqdm)
         ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
         start, num_tokens = time.perf_counter(), 0
         try:
@@ -330,7 +333,7 @@ class LLMEngine:
         finally:
             if self.loop is not None:
                 self.loop.cancel()  # after a failure: drop the step in flight
-            if use_tqdm and not tty:
+            if use_tqdm and not sys.stderr.isatty():  # a log file: the bar's one line
                 print(bar, file=sys.stderr)
             bar.close()
         return [{"text": texts[seq.seq_id], "token_ids": seq.output_token_ids,
