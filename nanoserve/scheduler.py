@@ -134,9 +134,11 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token is sampled until the whole prompt is cached
             seq.append_token(token_id)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self.abort([seq], reason)  # finished: out of `running`, its blocks freed
+            seq.finish_reason = self._finish_reason(seq, token_id)
+            if seq.finish_reason is not None:  # it sampled, so it is in `running`, not `waiting`
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.free(seq)
+                self.running.remove(seq)
                 finished.append(seq)
         return finished
 
