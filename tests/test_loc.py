@@ -23,8 +23,8 @@ def test_readme_tables_and_sizes():
     assert problems == [] or problems[0].startswith("ok"), problems
 
 
-@pytest.mark.xfail(strict=True, reason="over budget: the core has 1,528 code lines (limit 1,500), "
-                   "core + extensions 2,266 (limit 2,161); the limits stay, the code must shrink")
+@pytest.mark.xfail(strict=True, reason="over budget: the core has 1,536 code lines (limit 1,500), "
+                   "core + extensions 2,274 (limit 2,161); the limits stay, the code must shrink")
 def test_line_budgets():
     """The core and core + extensions fit tools/loc.py's CORE_BUDGET and TOTAL_BUDGET. Marked as
     an expected failure while they do not: once they fit, the strict mark fails and goes."""
