@@ -49,11 +49,10 @@ class ForwardContext:
     cu_seqlens_q: Array | None = None  # (S+1,) int32 prefill: start of each sequence's new tokens
     cu_seqlens_k: Array | None = None  # (S+1,) int32 prefill: start of each sequence's context
     context_lens: Array | None = None  # (S,) int32 decode: tokens in the cache per sequence
-    block_tables: Array | None = None  # (S, max_blocks) int32: decode, prefill with prefix hits
-    num_common_blocks: Array | None = None  # (1,) int32 decode: blocks all share (cascade)
-    max_seqlen_q: int = 0  # prefill, on the device: the longest new tokens
+    block_tables: Array | None = None  # (S, max_blocks) int32 decode: each sequence's blocks
+    max_seqlen_q: int = 0  # prefill: the most new tokens of a sequence
     max_seqlen_k: int = 0  # and the longest context
-    context_slots: Tensor | None = None  # (Nk,) int64 prefill with prefix hits: slot of each key
+    context_slots: Array | None = None  # (Nk,) int64 prefill with prefix hits: slot of each key
 
 
 _context: ForwardContext | None = None

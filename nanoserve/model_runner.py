@@ -93,14 +93,14 @@ class ModelRunner:
         layers.OPS = extension("fused").ops() if config.fused_kernels and triton else layers.Ops()
         # rng: the sampler's keys for unseeded rows
         self.model, self.sampler, self.rng = self._build_model(), Sampler(), np.random.default_rng()
-        self.cascade = (extension("cascade").Cascade(self.model, config)
-                        if config.cascade_attention and triton else None)
+        if config.cascade_attention and triton:  # every Attention layer's decode backend
+            extension("cascade").Cascade(self.model, config)
         self.sampling_hooks: list[SamplingHook] = []
         self.allocate_kv_cache()
         # decode graphs, captured on the device; None: every decode step runs eagerly
         with self.device, torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.max_graph_batch, self.max_blocks_per_seq,
-                                       self.use_cascade, self._context) if use_graphs else None
+                                       self._context) if use_graphs else None
 
     @torch.inference_mode()
     def _build_model(self) -> DecoderModel:
@@ -165,7 +165,8 @@ class ModelRunner:
         n, cu = num_seqs * seq_len, np.arange(num_seqs + 1, dtype=np.int32) * seq_len
         logits = self.forward(ForwardContext(  # slot -1: the warm-up writes no KV cache
             is_prefill=True, input_ids=np.zeros(n, np.int64), slot_mapping=np.full(n, -1, np.int32),
-            positions=np.tile(np.arange(seq_len), num_seqs), cu_seqlens_q=cu, cu_seqlens_k=cu))
+            positions=np.tile(np.arange(seq_len), num_seqs), cu_seqlens_q=cu, cu_seqlens_k=cu,
+            max_seqlen_q=seq_len, max_seqlen_k=seq_len))
         if self.rank == 0:  # compile the sampler's kernels now, not during the first requests
             ones = torch.ones(2, device=self.device)  # temperatures and keys of two rows
             self.sampler(logits[:1].expand(2, -1), ones, ones.long())
@@ -184,32 +185,34 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + num_new)
             cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
         positions, block_tables = np.array(positions, np.int64), self.block_tables(batch.seqs)
-        # each token's slot = block_id * B + offset, block_id from its sequence's block table
-        rows = np.repeat(np.arange(len(batch.seqs)), batch.num_new_tokens)  # (N,) its sequence
-        block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
-        slots = block_tables[rows, block_index] * self.block_size + offset  # (N,)
+        num_keys, seq_index = np.diff(cu_k), np.arange(len(batch.seqs))  # (S,) each
+        new_slots = self.slots(block_tables, np.repeat(seq_index, batch.num_new_tokens), positions)
+        # prefix-cache hits: attention reads every key, cached or new, at its slot (Nk,)
+        key_positions = np.arange(cu_k[-1]) - np.repeat(cu_k[:-1], num_keys)  # (Nk,)
+        key_slots = self.slots(block_tables, np.repeat(seq_index, num_keys), key_positions)
         return ForwardContext(
             is_prefill=True, input_ids=np.array(input_ids, np.int64), positions=positions,
-            slot_mapping=slots.astype(np.int32), cu_seqlens_q=np.array(cu_q, np.int32),
-            cu_seqlens_k=np.array(cu_k, np.int32),
-            # prefix-cache hits: attention reads the cached keys through the block tables
-            block_tables=block_tables if cu_k[-1] > cu_q[-1] else None)
+            slot_mapping=new_slots.astype(np.int32), cu_seqlens_q=np.array(cu_q, np.int32),
+            cu_seqlens_k=np.array(cu_k, np.int32), max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=int(num_keys.max()),
+            context_slots=key_slots if cu_k[-1] > cu_q[-1] else None)
+
+    def slots(self, block_tables: np.ndarray, seq_index: np.ndarray,
+              positions: np.ndarray) -> np.ndarray:
+        """(N,) int64: the cache slot of each token, block_id * B + offset, block_id from its
+        sequence's row of block_tables (seq_index (N,)), at positions (N,)."""
+        block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
+        return block_tables[seq_index, block_index] * self.block_size + offset
 
     def prepare_decode(self, seqs: list[Sequence]) -> ForwardContext:
         # each sequence computes its newest token, at position num_tokens - 1
         positions = np.array([seq.num_tokens - 1 for seq in seqs], np.int64)  # (S,)
         last_blocks = np.array([seq.block_table[-1] for seq in seqs], np.int64)  # (S,)
         slots = last_blocks * self.block_size + positions % self.block_size
-        context_lens, block_tables = (positions + 1).astype(np.int32), self.block_tables(seqs)
-        return ForwardContext(is_prefill=False, positions=positions,
-                           input_ids=np.array([seq.token_ids[-1] for seq in seqs], np.int64),
-                           slot_mapping=slots.astype(np.int32), context_lens=context_lens,
-                           block_tables=block_tables, num_common_blocks=self.cascade and
-                           self.cascade.num_common_blocks(block_tables, context_lens))
-
-    def use_cascade(self, num_seqs: int) -> bool:
-        """Does a decode batch of num_seqs use the cascade backend's shared-prefix kernel?"""
-        return self.cascade is not None and self.cascade.use_prefix(num_seqs)
+        return ForwardContext(
+            is_prefill=False, input_ids=np.array([seq.token_ids[-1] for seq in seqs], np.int64),
+            positions=positions, slot_mapping=slots.astype(np.int32),
+            context_lens=(positions + 1).astype(np.int32), block_tables=self.block_tables(seqs))
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width = max(len(seq.block_table) for seq in seqs)
@@ -245,15 +248,8 @@ class ModelRunner:
 
     def _context(self, inputs: ForwardContext) -> ForwardContext:
         """The batch layout on the device, for an eager forward pass or a graph's capture."""
-        ctx = replace(inputs, **{name: self.to_device(value) for name, value in vars(inputs).items()
-                                 if isinstance(value, np.ndarray)})
-        if inputs.is_prefill:
-            cu_q, cu_k = inputs.cu_seqlens_q, inputs.cu_seqlens_k
-            ctx.max_seqlen_q, ctx.max_seqlen_k = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
-        if inputs.is_prefill and inputs.block_tables is not None:  # prefix hits: slots of all keys
-            ctx.context_slots = kernels.context_slots(ctx.block_tables, ctx.cu_seqlens_k,
-                                                      self.block_size, int(cu_k[-1]))
-        return ctx
+        return replace(inputs, **{name: self.to_device(array) for name, array in
+                                  vars(inputs).items() if isinstance(array, np.ndarray)})
 
     def _logits_rows(self, cu_seqlens_q: np.ndarray) -> np.ndarray:
         """(rows,) int64: each sequence's last new token, where prefill computes logits. With

@@ -595,6 +595,34 @@ def cu_seqlens(lens: list[int], device: str = "cpu") -> Tensor:
     return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
 
 
+def context_slots(block_tables: Tensor, lens: list[int], B: int) -> Tensor:
+    """(sum(lens),) int64: the cache slot of every context token, sequence after sequence."""
+    slots = [int(block_tables[s, t // B]) * B + t % B for s, n in enumerate(lens) for t in range(n)]
+    return torch.tensor(slots, dtype=torch.int64, device=block_tables.device)
+
+
+def test_prepare_prefill_reads_every_key_at_its_slot() -> None:
+    """ModelRunner.prepare_prefill (no model needed): the new tokens' slots, and with prefix hits
+    every key's slot, the cached ones included, sequence after sequence."""
+    from nanoserve.config import SamplingParams
+    from nanoserve.model_runner import ModelRunner
+    from nanoserve.scheduler import Batch
+    from nanoserve.sequence import Sequence
+    runner = ModelRunner.__new__(ModelRunner)  # prepare reads only the block size
+    runner.block_size = B = 4
+    seqs = [Sequence(list(range(n)), SamplingParams(), B) for n in (6, 9)]
+    seqs[0].block_table, seqs[1].block_table = [7, 2], [5, 1, 3]
+    ctx = runner.prepare_prefill(Batch(seqs, [6, 9], is_prefill=True, starts=[0, 0]))
+    tables = torch.tensor([[7, 2, -1], [5, 1, 3]], dtype=torch.int32)
+    assert ctx.context_slots is None  # no hits: the keys are the new tokens
+    assert ctx.slot_mapping.tolist() == context_slots(tables, [6, 9], B).tolist()
+    assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (9, 9)
+    ctx = runner.prepare_prefill(Batch(seqs, [2, 1], is_prefill=True, starts=[4, 8]))  # hits
+    assert ctx.slot_mapping.tolist() == [2 * B, 2 * B + 1, 3 * B]
+    assert ctx.context_slots.tolist() == context_slots(tables, [6, 9], B).tolist()
+    assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (2, 9)
+
+
 @pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 2), (3, 1)])
 def test_prefill_attention_ref(H: int, Hkv: int) -> None:
     lens_q, lens_k = [5, 3, 1, 4], [5, 8, 6, 4]  # sequences 2 and 3 hit a cached prefix (Lq < Lk)
@@ -614,7 +642,7 @@ def test_gather_kv(cache_dtype: torch.dtype) -> None:
     B, Hkv, D = 16, 2, 8
     lens = [5, 0, 17, 32]  # ragged, empty, crosses a block, exactly two blocks
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, cache_dtype)
-    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B, sum(lens))
+    slots = context_slots(block_tables, lens, B)
     k, v = kernels.gather_kv(k_cache, v_cache, slots, torch.float32)
     assert k.shape == v.shape == (sum(lens), Hkv, D) and k.dtype == v.dtype == torch.float32
     k_cache, v_cache = k_cache.float(), v_cache.float()
@@ -657,7 +685,7 @@ def test_paged_decode_ref_matches_prefill_ref() -> None:
     lens, B, Hkv, D, H = [1, 16, 23], 16, 2, 32, 6
     k_cache, v_cache, block_tables, ctx = make_paged_kv(lens, B, Hkv, D, torch.float32)
     q = torch.randn(len(lens), H, D)
-    slots = kernels.context_slots(block_tables, cu_seqlens(lens), B, sum(lens))
+    slots = context_slots(block_tables, lens, B)
     k, v = kernels.gather_kv(k_cache, v_cache, slots, q.dtype)
     one_query = cu_seqlens([1] * len(lens))  # each sequence's newest token is its only query
     prefill = kernels.prefill_attention_ref(q, k, v, one_query, cu_seqlens(lens), 1, max(lens), 0.2)
@@ -782,7 +810,7 @@ def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
     """The layers' gather (gather and dequantize compiled into one kernel) equals the eager one."""
     B, Hkv, D, lens = 16, 8, 128, [5, 0, 170, 320]
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, cache_dtype, "cuda")
-    slots = kernels.context_slots(block_tables, cu_seqlens(lens, "cuda"), B, sum(lens))
+    slots = context_slots(block_tables, lens, B)
     compiled = fused.ops().gather_kv(k_cache, v_cache, slots, torch.bfloat16)
     for got, expect in zip(compiled, kernels.gather_kv(k_cache, v_cache, slots, torch.bfloat16)):
         assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
@@ -927,12 +955,15 @@ def test_cascade_decode_prefix_cuda_graph_gpu() -> None:
 
 def test_common_prefix_blocks_counts_full_shared_leading_blocks():
     from nanoserve.extensions.cascade import common_prefix_blocks
-    tables = np.array([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, -1]], np.int32)  # -1 pads a table
-    assert common_prefix_blocks(tables, np.array([64, 60, 40], np.int32), 16) == 2  # col 2 differs
-    assert common_prefix_blocks(tables[:2], np.array([64, 60], np.int32), 16) == 3
-    # block 2 is not full in row 1
-    assert common_prefix_blocks(tables[:2], np.array([64, 47], np.int32), 16) == 2
-    assert common_prefix_blocks(tables[:2], np.array([64, 15], np.int32), 16) == 0
+    tables = torch.tensor([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 3, -1]], dtype=torch.int32)
+
+    def count(rows: int, *lens: int) -> int:  # -1 pads a table
+        return int(common_prefix_blocks(tables[:rows], torch.tensor(lens, dtype=torch.int32), 16))
+    assert count(3, 64, 60, 40) == 2  # column 2 differs
+    assert count(2, 64, 60) == 3
+    assert count(2, 64, 47) == 2  # block 2 is not full in row 1
+    assert count(2, 64, 15) == 0
+    assert count(3, 64, 60, 0) == 3  # a padded graph row (context 0, a stale table) shares all
 
 
 def test_prefill_logits_rows_pad_to_a_graph_batch_size():

@@ -9,6 +9,6 @@ with Triton's interpreter (CI). Invariant: no kernel syncs with the host, so dec
 
 from .common import INTERPRETED, use_triton
 from .decode import paged_decode
-from .prefill import context_slots, gather_kv, prefill_attention, prefill_attention_ref
+from .prefill import gather_kv, prefill_attention, prefill_attention_ref
 from .rotary import rms_norm_ref, rotary_ref, store_kv, to_cache_dtype
 from .sampling import sample

@@ -2,9 +2,9 @@
 
 Owns no Triton kernel: on the GPU it calls FlashAttention (flash-attn when installed, else torch's
 built-in FlashAttention-2); on the CPU, and as the test oracle, prefill_attention_ref. No paging: a
-prefix-cache hit first gathers its context's K/V (context_slots, then gather_kv). Invariant: the
-causal mask is aligned bottom-right, so query i of a sequence is its token Lk - Lq + i. Called by
-layers.Attention; model_runner computes context_slots once per step.
+prefix-cache hit first gathers its context's K/V (gather_kv, at the slots the model runner lists
+once per step). Invariant: the causal mask is aligned bottom-right, so query i of a sequence is
+its token Lk - Lq + i. Called by layers.Attention.
 """
 
 import torch
@@ -46,19 +46,6 @@ def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
             attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
     return out
-
-
-def context_slots(block_tables: Tensor, cu_seqlens_k: Tensor, block_size: int,
-                  num_tokens: int) -> Tensor:
-    """Cache slot of each of the first Lk_s tokens of every sequence s, packed (Nk,) int64: where a
-    prefill with prefix hits reads its context's K/V (gather_kv). Computed once per step, then used
-    by every layer. num_tokens = Nk = cu_seqlens_k[-1], from the host: no device-to-host sync."""
-    assert block_tables.shape[0] == cu_seqlens_k.shape[0] - 1
-    token = torch.arange(num_tokens, dtype=cu_seqlens_k.dtype, device=block_tables.device)  # (Nk,)
-    seq = torch.searchsorted(cu_seqlens_k[1:], token, right=True)  # (Nk,) each token's sequence
-    pos = (token - cu_seqlens_k[seq]).long()  # (Nk,) its position within that sequence
-    # slot = block_id * B + offset, block_id (Nk,) from the sequence's block table
-    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
 def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor,
