@@ -94,14 +94,9 @@ class TextStream:
                                                skip_special_tokens=True)
             self.num_complete = len(token_ids)  # (a finished sequence may be seen again)
 
-    def num_held(self, finished: bool) -> int:
-        """Characters at the end of the text not to hand out yet (stop strings hold some)."""
-        return 0
-
     def delta(self, finished: bool) -> str:
-        """The text not handed out yet."""
-        end = max(self.num_sent_chars, len(self.text) - self.num_held(finished))
-        out, self.num_sent_chars = self.text[self.num_sent_chars:end], end
+        """The text not handed out yet (a stop-string stream holds back its end)."""
+        out, self.num_sent_chars = self.text[self.num_sent_chars:], len(self.text)
         return out
 
 
@@ -125,8 +120,7 @@ class LLMEngine:
         self.model_runner: ModelRunner | None = None
         atexit.register(self.shutdown)
         try:  # a model runner that fails to start: the workers already started stop
-            port = self.workers.port if self.workers is not None else None
-            self.model_runner = ModelRunner(cfg, 0, port, self.workers)
+            self.model_runner = ModelRunner(cfg, workers=self.workers)
         except BaseException:
             self.shutdown()
             raise

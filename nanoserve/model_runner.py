@@ -75,7 +75,8 @@ class SamplingHook:
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, port: int | None = None,
                  workers: Workers | None = None) -> None:
-        """rank 0 passes the Workers it started (none with one rank); ranks > 0 pass none."""
+        """rank 0 passes the Workers it started (none with one rank), whose port the ranks meet
+        at; ranks > 0 pass that port and no Workers."""
         self.config, self.rank, self.workers = config, rank, workers
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
@@ -85,7 +86,7 @@ class ModelRunner:
         if config.tensor_parallel_size > 1:  # the collectives: NCCL on GPUs, gloo on CPUs
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=rank,
                                     world_size=config.tensor_parallel_size, timeout=DIST_TIMEOUT,
-                                    init_method=f"tcp://127.0.0.1:{port}")  # rank 0's port
+                                    init_method=f"tcp://127.0.0.1:{port or workers.port}")
         # decode batches up to this size replay a graph: the captured size >= max_num_seqs
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.max_graph_batch = graph_batch_size(config.max_num_seqs) if use_graphs else 0

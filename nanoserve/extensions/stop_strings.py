@@ -32,8 +32,13 @@ class StopStringStream(TextStream):
         if hits:
             self.text, self.stopped = self.text[:min(hits)], True
 
-    def num_held(self, finished: bool) -> int:
-        return 0 if finished or self.stopped else max(map(len, self.stop)) - 1
+    def delta(self, finished: bool) -> str:
+        """The text not handed out yet, less its last len(s) - 1 characters while a stop string
+        s may still be completing there."""
+        num_held = 0 if finished or self.stopped else max(map(len, self.stop)) - 1
+        end = max(self.num_sent_chars, len(self.text) - num_held)
+        out, self.num_sent_chars = self.text[self.num_sent_chars:end], end
+        return out
 
 
 class StopStrings(StepObserver):
