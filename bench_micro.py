@@ -5,8 +5,9 @@
                   head dim 128, bf16, block 16), context 1024: bytes each must read (K and V of
                   every sequence, q, out) over its time, as a fraction of the HBM bandwidth. Inputs
                   rotate through more memory than L2 holds, so every read is a real HBM read.
-  sampler         race_sampler.sample (the two-level race) over Qwen's 151,936 bf16 logits per row,
-                  GPU time from CUDA-graph replays (no launch time).
+  sampler         the sampler as the engine runs it on the GPU (kernels.sampling.sample, compiled
+                  by extensions.fused) over Qwen's 151,936 bf16 logits per row, GPU time from
+                  CUDA-graph replays (no launch time).
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
                   Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
                   1024.
@@ -23,7 +24,7 @@ import torch
 from bench import HBM_BANDWIDTH, QWEN3_0_6B, resolve_model_dir
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.cascade import cascade_decode
-from nanoserve.extensions.race_sampler import sample
+from nanoserve.extensions.fused import ops
 from nanoserve.kernels import paged_decode
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
@@ -86,7 +87,7 @@ def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
         seq = Sequence(list(range(1, CONTEXT + 1)), SamplingParams(temperature=0), B)
         seq.block_table = list(range(s * CONTEXT // B, (s + 1) * CONTEXT // B))
         seqs.append(seq)
-    inputs = runner.prepare(Batch(seqs, [1] * batch, is_prefill=False))
+    inputs = runner.prepare(Batch(seqs, [1] * batch, False, [s.num_tokens - 1 for s in seqs]))
     max_graph_batch = runner.max_graph_batch
     runner.max_graph_batch = max_graph_batch if graphs else 0  # 0: every decode runs eagerly
     seconds = time_cuda(lambda: runner.sample(runner.forward(inputs), seqs), iters=30)
@@ -95,13 +96,14 @@ def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
 
 
 def sampler(batch: int, vocab: int = 151_936, calls: int = 20) -> float:
-    """GPU seconds of one race_sampler.sample call on (batch, vocab) bf16 logits at temperature 0.6
-    (bench.py's): `calls` calls captured in one CUDA graph, so no launch time is counted, as in
+    """GPU seconds of one call of the compiled sampler on (batch, vocab) bf16 logits at temperature
+    0.6 (bench.py's): `calls` calls captured in one CUDA graph, so no launch time is counted, as in
     the engine, where the sampler's launches overlap the forward pass."""
     logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16) * 3
     temperatures = torch.full((batch,), 0.6, device="cuda")
     keys = torch.randint(0, 2**62, (batch,), device="cuda")
-    sample(logits, temperatures, keys)  # compile the kernels outside the graph
+    sample = ops().sample
+    sample(logits, temperatures, keys)  # compile outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):

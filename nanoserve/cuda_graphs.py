@@ -34,9 +34,11 @@ def pinned(array: np.ndarray) -> Tensor:
 
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
+                 use_cascade: Callable[[int], bool],
                  make_context: Callable[[ForwardContext], ForwardContext]) -> None:
-        """Capture a graph for every size up to max_batch; all share one memory pool.
-        make_context: the model runner's, which builds every forward context."""
+        """Capture a graph for every size up to max_batch (with cascade attention too where
+        use_cascade(size) allows it); all share one memory pool. make_context: the model
+        runner's, which builds every forward context."""
         self.model, self.make_context = model, make_context
         self.buffers = {  # static inputs and output that every graph reads and writes
             "input_ids": torch.zeros(max_batch, dtype=torch.int64),
@@ -44,22 +46,25 @@ class DecodeGraphs:
             "slot_mapping": torch.full((max_batch,), -1, dtype=torch.int32),
             "context_lens": torch.zeros(max_batch, dtype=torch.int32),
             "block_tables": torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32),
+            "num_common_blocks": torch.zeros(1, dtype=torch.int32),
             "hidden": torch.zeros(max_batch, model.lm_head.weight.shape[1],
                                   dtype=model.lm_head.weight.dtype)}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> graph
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade) -> graph
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool that all graphs share
-        # largest first: the smaller ones reuse its memory
-        for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):
-            self.graphs[bs] = self._capture(bs)
-            model.lm_head(self.buffers["hidden"][:bs])  # load the LM head's GEMM kernel now
+        for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):  # largest first:
+            for cascade in {False, use_cascade(bs)}:  # the smaller ones reuse its memory
+                self.graphs[bs, cascade] = self._capture(bs, cascade)
+        for bs in {bs for bs, _ in self.graphs}:  # load the LM head's GEMM kernels now
+            model.lm_head(self.buffers["hidden"][:bs])
         torch.cuda.synchronize()
 
-    def _capture(self, bs: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, bs: int, cascade: bool) -> torch.cuda.CUDAGraph:
         b = {name: buf[:bs] for name, buf in self.buffers.items()}
         ctx = self.make_context(ForwardContext(
             is_prefill=False, input_ids=b["input_ids"], positions=b["positions"],
             slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
-            block_tables=b["block_tables"]))
+            block_tables=b["block_tables"],
+            num_common_blocks=self.buffers["num_common_blocks"] if cascade else None))
         graph = torch.cuda.CUDAGraph()
         with forward_context(ctx):
             b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured
@@ -78,5 +83,10 @@ class DecodeGraphs:
         buf["context_lens"][bs:graph_bs].zero_()  # ...and attend to nothing
         width = inputs.block_tables.shape[1]
         buf["block_tables"][:bs, :width].copy_(pinned(inputs.block_tables), non_blocking=True)
-        self.graphs[graph_bs].replay()
+        # the blocks all sequences share (None: not looked for); read by cascade graphs only
+        shared = 0 if inputs.num_common_blocks is None else int(inputs.num_common_blocks[0])
+        if shared:
+            buf["num_common_blocks"].fill_(shared)
+        # the cascade graph only when blocks are shared: else its prefix kernel runs for nothing
+        self.graphs[graph_bs, shared > 0].replay()
         return buf["hidden"][:graph_bs]

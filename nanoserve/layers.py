@@ -50,9 +50,10 @@ class ForwardContext:
     cu_seqlens_k: Array | None = None  # (S+1,) int32 prefill: start of each sequence's context
     context_lens: Array | None = None  # (S,) int32 decode: tokens in the cache per sequence
     block_tables: Array | None = None  # (S, max_blocks) int32 decode: each sequence's blocks
+    num_common_blocks: Array | None = None  # (1,) int32 decode: blocks all share (cascade)
     max_seqlen_q: int = 0  # prefill: the most new tokens of a sequence
     max_seqlen_k: int = 0  # and the longest context
-    context_slots: Array | None = None  # (Nk,) int64 prefill with prefix hits: slot of each key
+    context_slots: Array | None = None  # (Nk,) int64 prefill: each key's slot, cached or new
 
 
 _context: ForwardContext | None = None
@@ -86,11 +87,6 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def cache_round_trip(k: Tensor, v: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """k and v (N, Hkv, D) as a cache of cache_dtype gives them back (an fp8 cache rounds)."""
-    return tuple(kernels.to_cache_dtype(x, cache_dtype).to(x.dtype) for x in (k, v))
-
-
 def norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor, attn: "Attention",
                       rotary: "RotaryEmbedding", q_norm: "RMSNorm | None",
                       k_norm: "RMSNorm | None") -> tuple[Tensor, Tensor]:
@@ -111,7 +107,6 @@ class Ops:
     silu_and_mul: Callable = silu_and_mul
     norm_rotary_store: Callable = norm_rotary_store
     gather_kv: Callable = kernels.gather_kv
-    cache_round_trip: Callable = cache_round_trip
     sample: Callable = kernels.sample
 
 
@@ -265,22 +260,8 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if not ctx.is_prefill:  # one new token per sequence against its blocks
             return self.decode_backend(q, self.k_cache, self.v_cache, ctx, self.scale)
-        if ctx.context_slots is not None:  # prefix hits: the cached keys are not in k, v
-            # (Nk, Hkv, D), dequantized from an fp8 cache: the new tokens' K/V too, as decode reads
+        if self.k_cache.numel():  # every key as the cache holds it: prefix hits and new tokens
+            # (Nk, Hkv, D), dequantized from an fp8 cache, as decode reads them
             k, v = OPS.gather_kv(self.k_cache, self.v_cache, ctx.context_slots, q.dtype)
-        elif self.k_cache.dtype != k.dtype:  # no hits: rounded, as a hit reads them
-            k, v = OPS.cache_round_trip(k, v, self.k_cache.dtype)
         return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
-
-
-# ---- sampling ------------------------------------------------------------------------------------
-class Sampler(nn.Module):
-    """One token per row of logits, each row with its own temperature and key: the key decides
-    the draw (kernels.sampling, or the race sampler's kernels), so a seeded row is drawn the same
-    in any batch."""
-
-    def forward(self, logits: Tensor, temperatures: Tensor | None,
-                keys: Tensor | None = None) -> Tensor:
-        # logits (S, V); temperatures (S,), None when every row is greedy; keys (S,) int64 -> (S,)
-        return logits.argmax(-1) if temperatures is None else OPS.sample(logits, temperatures, keys)

@@ -26,7 +26,7 @@ from nanoserve import kernels, layers
 from nanoserve.config import Config, cdiv, extension
 from nanoserve.cuda_graphs import DecodeGraphs, graph_batch_size, pinned
 from nanoserve.distributed import DIST_TIMEOUT, PEER_EXIT_WAIT_SECONDS, Workers
-from nanoserve.layers import ForwardContext, Sampler, forward_context
+from nanoserve.layers import ForwardContext, forward_context
 from nanoserve.models import DecoderModel
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
@@ -93,15 +93,15 @@ class ModelRunner:
         triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
         layers.OPS = extension("fused").ops() if config.fused_kernels and triton else layers.Ops()
         # rng: the sampler's keys for unseeded rows
-        self.model, self.sampler, self.rng = self._build_model(), Sampler(), np.random.default_rng()
-        if config.cascade_attention and triton:  # every Attention layer's decode backend
-            extension("cascade").Cascade(self.model, config)
+        self.model, self.rng = self._build_model(), np.random.default_rng()
+        self.cascade = (extension("cascade").Cascade(self.model, config)
+                        if config.cascade_attention and triton else None)
         self.sampling_hooks: list[SamplingHook] = []
         self.allocate_kv_cache()
         # decode graphs, captured on the device; None: every decode step runs eagerly
         with self.device, torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.max_graph_batch, self.max_blocks_per_seq,
-                                       self._context) if use_graphs else None
+                                       self.use_cascade, self._context) if use_graphs else None
 
     @torch.inference_mode()
     def _build_model(self) -> DecoderModel:
@@ -168,16 +168,16 @@ class ModelRunner:
             is_prefill=True, input_ids=np.zeros(n, np.int64), slot_mapping=np.full(n, -1, np.int32),
             positions=np.tile(np.arange(seq_len), num_seqs), cu_seqlens_q=cu, cu_seqlens_k=cu,
             max_seqlen_q=seq_len, max_seqlen_k=seq_len))
-        if self.rank == 0:  # compile the sampler's kernels now, not during the first requests
-            ones = torch.ones(2, device=self.device)  # temperatures and keys of two rows
-            self.sampler(logits[:1].expand(2, -1), ones, ones.long())
+        if self.rank == 0:  # compile the sampler now, not during the first requests: torch.compile
+            for rows in (1, 2):  # makes one kernel for 1 row, one for any other number of rows
+                ones = torch.ones(rows, device=self.device)  # temperatures and keys
+                layers.OPS.sample(logits[:1].repeat(rows, 1), ones, ones.long())
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------
     def prepare(self, batch: Batch) -> ForwardContext:
-        return self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch.seqs)
-
-    def prepare_prefill(self, batch: Batch) -> ForwardContext:
+        """The batch as host arrays: seqs[i] computes num_new_tokens[i] tokens from position
+        starts[i] (a decode: its newest token) and attends to every token up to them."""
         input_ids, positions, cu_q, cu_k = [], [], [0], [0]
         for seq, start, num_new in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             end = start + num_new
@@ -188,15 +188,19 @@ class ModelRunner:
         positions, block_tables = np.array(positions, np.int64), self.block_tables(batch.seqs)
         num_keys, seq_index = np.diff(cu_k), np.arange(len(batch.seqs))  # (S,) each
         new_slots = self.slots(block_tables, np.repeat(seq_index, batch.num_new_tokens), positions)
-        # prefix-cache hits: attention reads every key, cached or new, at its slot (Nk,)
+        ctx = ForwardContext(is_prefill=batch.is_prefill, input_ids=np.array(input_ids, np.int64),
+                             positions=positions, slot_mapping=new_slots.astype(np.int32))
+        if not batch.is_prefill:  # the decode kernel reads each context through its block table
+            ctx.context_lens, ctx.block_tables = num_keys.astype(np.int32), block_tables
+            ctx.num_common_blocks = self.cascade and self.cascade.num_common_blocks(
+                block_tables, ctx.context_lens)
+            return ctx
+        ctx.cu_seqlens_q, ctx.cu_seqlens_k = np.array(cu_q, np.int32), np.array(cu_k, np.int32)
+        ctx.max_seqlen_q, ctx.max_seqlen_k = max(batch.num_new_tokens), int(num_keys.max())
+        # attention reads every key, a prefix-cache hit or new, at its slot (Nk,)
         key_positions = np.arange(cu_k[-1]) - np.repeat(cu_k[:-1], num_keys)  # (Nk,)
-        key_slots = self.slots(block_tables, np.repeat(seq_index, num_keys), key_positions)
-        return ForwardContext(
-            is_prefill=True, input_ids=np.array(input_ids, np.int64), positions=positions,
-            slot_mapping=new_slots.astype(np.int32), cu_seqlens_q=np.array(cu_q, np.int32),
-            cu_seqlens_k=np.array(cu_k, np.int32), max_seqlen_q=max(batch.num_new_tokens),
-            max_seqlen_k=int(num_keys.max()),
-            context_slots=key_slots if cu_k[-1] > cu_q[-1] else None)
+        ctx.context_slots = self.slots(block_tables, np.repeat(seq_index, num_keys), key_positions)
+        return ctx
 
     def slots(self, block_tables: np.ndarray, seq_index: np.ndarray,
               positions: np.ndarray) -> np.ndarray:
@@ -205,15 +209,9 @@ class ModelRunner:
         block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
         return block_tables[seq_index, block_index] * self.block_size + offset
 
-    def prepare_decode(self, seqs: list[Sequence]) -> ForwardContext:
-        # each sequence computes its newest token, at position num_tokens - 1
-        positions = np.array([seq.num_tokens - 1 for seq in seqs], np.int64)  # (S,)
-        last_blocks = np.array([seq.block_table[-1] for seq in seqs], np.int64)  # (S,)
-        slots = last_blocks * self.block_size + positions % self.block_size
-        return ForwardContext(
-            is_prefill=False, input_ids=np.array([seq.token_ids[-1] for seq in seqs], np.int64),
-            positions=positions, slot_mapping=slots.astype(np.int32),
-            context_lens=(positions + 1).astype(np.int32), block_tables=self.block_tables(seqs))
+    def use_cascade(self, num_seqs: int) -> bool:
+        """Does a decode batch of num_seqs use the cascade backend's shared-prefix kernel?"""
+        return self.cascade is not None and self.cascade.use_prefix(num_seqs)
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width = max(len(seq.block_table) for seq in seqs)
@@ -266,14 +264,14 @@ class ModelRunner:
         params, d, model_logits = [seq.params for seq in seqs], self.to_device, logits
         for hook in self.sampling_hooks:
             logits = hook.before_sample(logits, seqs)
-        temperatures = keys = None  # None: every row is greedy
-        if any(p.temperature > 0 for p in params):
-            temperatures = d(np.array([p.temperature for p in params], np.float32))
+        if all(p.temperature == 0 for p in params):  # every row greedy: nothing to draw
+            token_ids = logits.argmax(-1)  # (S,) int64
+        else:  # the draw decided by each row's key (kernels.sampling, through layers.OPS)
             # a seeded row's key: its seed and the position of the token it samples; others: any
             key = [k if seq.params.seed is None else sampling_key(seq.params.seed, seq.num_tokens)
                    for k, seq in zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(), seqs)]
-            keys = d(np.array(key, np.int64))  # (S,)
-        token_ids = self.sampler(logits, temperatures, keys)  # (S,) int64
+            token_ids = layers.OPS.sample(logits, d(np.array([p.temperature for p in params],
+                                                             np.float32)), d(np.array(key)))
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
         out = StepOutput(token_ids, token_ids.to("cpu", non_blocking=True))
         for hook in self.sampling_hooks:  # the model's logits, before any hook changed them

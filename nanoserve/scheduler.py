@@ -20,12 +20,12 @@ from nanoserve.sequence import Sequence, SequenceStatus
 
 @dataclass
 class Batch:
-    """One step's work: seqs[i] computes num_new_tokens[i] tokens, from position starts[i] in a
-    prefill (past its computed tokens), its newest token in a decode."""
+    """One step's work: seqs[i] computes num_new_tokens[i] tokens from position starts[i] (in
+    a prefill, past its computed tokens; in a decode, its newest token)."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
-    starts: list[int] = field(default_factory=list)  # prefill only
+    starts: list[int] = field(default_factory=list)
 
 
 class SchedulerStats(NamedTuple):
@@ -112,7 +112,7 @@ class Scheduler:
         # the batch runs longest context first: the decode kernel starts its programs in batch
         # order, and starting the longest work first lets the SMs finish together
         seqs.sort(key=lambda seq: seq.num_tokens, reverse=True)
-        return Batch(seqs, [1] * len(seqs), is_prefill=False)
+        return Batch(seqs, [1] * len(seqs), False, [seq.num_tokens - 1 for seq in seqs])
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -93,9 +93,7 @@ def test_jitter_moves_each_value_by_less_than_its_bound() -> None:
     assert not torch.equal(fp8_accuracy.jitter(x, run=1), moved)  # and of the run
 
 
-def test_jittered_rounding_tips_ties_both_ways_in_the_store_and_the_round_trip() -> None:
-    from nanoserve.layers import cache_round_trip
-
+def test_jittered_rounding_tips_ties_both_ways_in_the_store() -> None:
     def to_fp8(x: torch.Tensor) -> torch.Tensor:  # whatever rotary.to_cache_dtype is now
         return rotary.to_cache_dtype(x, torch.float8_e4m3fn)
     e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2^-9..448
@@ -103,7 +101,6 @@ def test_jittered_rounding_tips_ties_both_ways_in_the_store_and_the_round_trip()
     plain = to_fp8(ties).float()
     with fp8_accuracy.jittered_rounding(run=3):
         tipped = rotary.to_cache_dtype(ties, torch.float8_e4m3fn).float()
-        k, v = cache_round_trip(ties, ties, torch.float8_e4m3fn)
         # (blocks, B, Hkv, D) each
         k_cache, v_cache = (torch.zeros(2, 16, 1, 125, dtype=torch.float8_e4m3fn) for _ in "kv")
         kernels.store_kv(ties.view(1, 1, 125), ties.view(1, 1, 125), k_cache, v_cache,
@@ -112,7 +109,6 @@ def test_jittered_rounding_tips_ties_both_ways_in_the_store_and_the_round_trip()
     up, down = tipped == e4m3[1:], tipped == e4m3[:-1]
     assert (up | down).all() and up.sum() > 30 and down.sum() > 30  # ties to even would go 62/63
     assert not tipped.equal(plain)
-    assert k.equal(tipped) and v.equal(tipped)  # the prefill's round trip rounds the same values
     assert k_cache[0, 5, 0].float().equal(tipped) and v_cache[0, 5, 0].float().equal(tipped)
 
 

@@ -181,8 +181,8 @@ def jitter(x: Tensor, run: int) -> Tensor:
 
 @contextlib.contextmanager
 def jittered_rounding(run: int):
-    """Within it, every rounding to e4m3 (the CPU store, the prefill's round trip and the
-    transformers probe all call kernels.to_cache_dtype) rounds jitter(x, run) in the place of x."""
+    """Within it, every rounding to e4m3 (the CPU store and the transformers probe both call
+    kernels.to_cache_dtype) rounds jitter(x, run) in the place of x."""
     from nanoserve import kernels
     from nanoserve.kernels import rotary
     to_cache_dtype = rotary.to_cache_dtype
@@ -311,10 +311,11 @@ def probe_model(model_dir: str, attention: str):
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from nanoserve.layers import cache_round_trip
+    from nanoserve import kernels
 
     def rounded_attention(module, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
-        rounded = cache_round_trip(k, v, torch.float8_e4m3fn)
+        # looked up at each call: jittered_rounding replaces kernels.to_cache_dtype
+        rounded = [kernels.to_cache_dtype(x, torch.float8_e4m3fn).to(x.dtype) for x in (k, v)]
         return sdpa_attention_forward(module, q, *rounded, *args, **kwargs)
     AttentionInterface.register("e4m3_rounded", rounded_attention)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,

@@ -4,13 +4,14 @@ What it changes: decode attention. Small batches split each sequence's blocks ov
 (merged by their log-sum-exp) so the GPU fills; big ones that share a prefix (a prefix-cache hit,
 say a system prompt) read it once per CASCADE_ROWS query rows instead of once per sequence. Where it
 plugs in: the attention backend for decode (Cascade sets every Attention layer's decode_backend
-to cascade_decode, same result; the first layer finds the batch's shared prefix on the device).
+to cascade_decode, same result; the model runner asks it for the shared prefix of each batch).
 What it gains: see docs/performance.md. Invariant, as the core's: no host sync, a grid from shapes
 and arguments only.
 """
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -297,34 +298,40 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     return out
 
 
-def common_prefix_blocks(block_tables: Tensor, context_lens: Tensor, block_size: int) -> Tensor:
-    """(1,) int32 on the device: how many leading block-table columns hold the same full block in
-    every row, a shared prefix (prefix-cache hits) that cascade attention reads once for the whole
-    batch. Rows of context 0 (a CUDA graph's padding, stale tables) share anything. No host sync."""
-    real = context_lens > 0  # (S,)
-    limit = torch.where(real, context_lens, context_lens.max()).min() // block_size  # full blocks
-    same = ((block_tables == block_tables[:1]) | ~real[:, None]).all(0)  # (max_blocks,) columns
-    return torch.minimum(same.int().cumprod(0).sum(), limit).int().reshape(1)
+def common_prefix_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
+                         block_size: int) -> int:
+    """How many leading block-table columns hold the same full block in every row: a shared
+    prefix (prefix-cache hits) that cascade attention reads once for the whole batch."""
+    limit = int(context_lens.min()) // block_size
+    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)  # (limit,)
+    return int(same.argmin()) if not same.all() else limit
 
 
 class Cascade:
-    """The decode backend of every Attention layer. A batch of CASCADE_MIN_SEQS or more (a shape,
-    so fixed within a CUDA graph) runs the shared-prefix kernel: the first layer of each forward
-    pass finds the shared blocks on the device, every layer reads them (0: none, the prefix kernel
-    returns at once)."""
+    """The decode backend of every Attention layer, and the host side of it: how many leading
+    blocks a decode batch shares (the model runner's prepare)."""
 
     def __init__(self, model: DecoderModel, config: Config) -> None:
-        self.block_size, self.num_common_blocks = config.kvcache_block_size, None
-        self.prefix_caching = config.enable_prefix_caching  # only prefix-cache hits share blocks
-        for i, attn in enumerate(model.attention_layers()):
-            attn.decode_backend = functools.partial(self.decode, first_layer=i == 0)
+        self.block_size = config.kvcache_block_size
+        self.prefix_caching = config.enable_prefix_caching
+        for attn in model.attention_layers():
+            attn.decode_backend = self.decode
 
-    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
-               scale: float, first_layer: bool) -> Tensor:
-        if not self.prefix_caching or q.shape[0] < CASCADE_MIN_SEQS:
-            return cascade_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
-        if first_layer:
-            self.num_common_blocks = common_prefix_blocks(ctx.block_tables, ctx.context_lens,
-                                                          self.block_size)
+    @staticmethod
+    def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
+               scale: float) -> Tensor:
         return cascade_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
-                              self.num_common_blocks)
+                              ctx.num_common_blocks)
+
+    def use_prefix(self, num_seqs: int) -> bool:
+        """The shared-prefix kernel for a batch of num_seqs? Only prefix-cache hits share blocks."""
+        return self.prefix_caching and num_seqs >= CASCADE_MIN_SEQS
+
+    def num_common_blocks(self, block_tables: np.ndarray,
+                          context_lens: np.ndarray) -> np.ndarray | None:
+        """(1,) int32: the blocks every sequence of a decode batch shares; None: not looked for."""
+        if not self.use_prefix(len(context_lens)):
+            return None
+        return np.array([common_prefix_blocks(block_tables, context_lens, self.block_size)],
+                        np.int32)
+

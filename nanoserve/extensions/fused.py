@@ -1,14 +1,15 @@
-"""Fused kernels: norm + rotary + KV store in one Triton kernel, the sampler's race, compiled ops.
+"""Fused kernels: norm + rotary + KV store in one Triton kernel, compiled ops and sampler.
 
 On the GPU and under TRITON_INTERPRET=1, with `fused_kernels=True` (the default).
 
 A layer's plain steps before attention are five launches (two norms, two rotations, the store):
 one Triton program per token does them all, rotating q and k in place. The remaining elementwise
-chains (add + RMSNorm, SiLU-and-mul, the fp8 gather and round trip) go through torch.compile,
-which fuses each chain into one kernel: a launch and a round trip through memory saved per op. The
-sampler's draw becomes extensions/race_sampler.py's two kernels. Attaches at the core's elementwise
-point, layers.OPS (the model runner installs `ops()`); the plain steps in kernels.rotary and layers
-are what every kernel here must match (tests/fused_ref.py).
+chains (add + RMSNorm, SiLU-and-mul, prefill's gather of keys, dequantizing an fp8 cache) go
+through torch.compile, which fuses each chain into one kernel: a launch and a round trip through
+memory saved per op. The sampler (kernels.sampling: noise hash, temperature, race) compiles the
+same way, into one pass over the logits. Attaches at the core's elementwise point, layers.OPS (the
+model runner installs `ops()`); the plain steps in kernels.rotary, kernels.sampling and layers are
+what every kernel here must match (tests/fused_ref.py, tests/test_sampler.py).
 """
 import functools
 from collections.abc import Callable
@@ -19,8 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve import layers
-from nanoserve.extensions import race_sampler
-from nanoserve.kernels import rms_norm_ref
+from nanoserve.kernels import rms_norm_ref, sampling
 from nanoserve.kernels.prefill import gather_kv
 
 
@@ -57,8 +57,7 @@ def ops() -> layers.Ops:  # falls back to eager once a function has been compile
                       silu_and_mul=gpu_compiled(layers.silu_and_mul),
                       norm_rotary_store=fused_norm_rotary_store,
                       gather_kv=gpu_compiled(gather_kv),  # gather + dequantize: one pass
-                      cache_round_trip=gpu_compiled(layers.cache_round_trip),
-                      sample=race_sampler.sample)
+                      sample=gpu_compiled(sampling.sample))
 
 
 @triton.jit

@@ -1,24 +1,44 @@
 """Sampling: one token per row of logits, a draw from softmax(logits / T) decided by the row's key.
 
-argmax(p / E), with E ~ Exp(1) drawn per token, is an exact draw from p (the exponential race,
-the Gumbel-max trick's twin). Inverse-CDF sampling compares one uniform with a cumulative sum over
-the vocabulary, whose rounding adds up differently in every batch; a race only changes its winner
-where two candidates are within rounding of each other, as greedy does. Row i's noise comes from a
-generator seeded with keys[i] alone, so a seeded row draws the same token in any batch and order.
-T = 0 rows take the argmax. extensions/race_sampler.py draws the same way in two Triton kernels.
-Called by layers.Sampler (through layers.OPS).
+argmax(logits / T + G), G ~ Gumbel(0, 1) per token, is an exact draw from softmax(logits / T) (the
+Gumbel-max trick). Inverse-CDF sampling compares a uniform with a sum over the vocabulary, whose
+rounding differs with the batch; a race changes its winner only at near-ties, as greedy does. Token
+j of row i takes its noise from an integer hash of (keys[i], j) alone: computed where it is read, no
+host sync, the same bits on CPU, GPU and under torch.compile, so a key decides its row's draw in any
+batch and order. T = 0 rows take the argmax. Called by layers.Sampler through layers.OPS
+(extensions.fused compiles it).
 """
 
 import torch
 from torch import Tensor
 
+MASK32 = 0xFFFFFFFF  # the hash's 32-bit words live in int64 >= 0, where >> is a logical shift
+
+
+def mix32(x: Tensor) -> Tensor:
+    """lowbias32 (C. Wellons' hash-prospector): 32-bit words (int64 in [0, 2**32)) to 32 bits, an
+    input bit's flip flipping each output bit with probability ~1/2. A product keeps its low 32
+    bits; both multipliers are under 2**31 in size (0x846CA68B as its twin mod 2**32): no int64
+    overflow."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & MASK32
+    x = ((x ^ (x >> 15)) * (0x846CA68B - (1 << 32))) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(keys: Tensor, vocab: int) -> Tensor:
+    """(S, V) float32 uniforms strictly inside (0, 1), a pure function of (keys[i], token j)."""
+    row = mix32(mix32((keys >> 32) & MASK32) ^ (keys & MASK32)).unsqueeze(1)  # (S, 1) both halves
+    # the row word goes in before and after the token's round: rows whose words differ in low bits
+    # would share their noise reordered after one round, after two they share nothing
+    bits = mix32(mix32(row ^ torch.arange(vocab, device=keys.device)) ^ row)  # (S, V)
+    return ((bits >> 9).float() + 0.5) * 2**-23  # the top 23 bits: exact in float32
+
 
 def sample(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
     """One token per row of logits (S, V), decided by the row's key (S,) int64 alone; the (first)
-    argmax where temperatures (S,) is 0. Returns (S,) int64. Syncs with the host (the keys)."""
-    x = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # (S, V)
-    gens = [torch.Generator(logits.device).manual_seed(key) for key in keys.tolist()]  # per row
-    noise = torch.stack([torch.empty_like(r).exponential_(generator=g) for r, g in zip(x, gens)])
-    # argmax(p / E), E ~ Exp(1) per token, samples from p: the exponential race, Gumbel-max's twin
-    token = (x.softmax(-1) / noise).argmax(-1)  # (S,)
-    return torch.where(temperatures > 0, token, x.argmax(-1))  # T = 0: the (first) argmax
+    argmax where temperatures (S,) float32 is 0. Returns (S,) int64."""
+    assert temperatures.shape == keys.shape == logits.shape[:1]
+    hot = (temperatures > 0).unsqueeze(1)  # (S, 1)
+    x = logits.float() / torch.where(hot, temperatures.unsqueeze(1), 1.0)  # (S, V)
+    gumbel = -torch.log(-torch.log(uniform(keys, logits.shape[1])))  # (S, V)
+    return (x + gumbel * hot).argmax(-1)  # T = 0 rows: no noise, the (first) argmax
