@@ -44,7 +44,7 @@ class BlockManager:
         # an ordered set: O(1) removal on a hit, O(1) oldest-freed first on allocation (a plain
         # dict's first key is O(deleted keys) to find: iteration skips the removed entries)
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.num_allocated = self.num_freed = self.num_hits = 0  # running counts (Scheduler.stats)
+        self.num_allocated = self.num_freed = self.num_hits = 0  # running counts (extensions.stats)
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,14 +73,15 @@ class BlockManager:
         Returns False, changing nothing, if too few blocks are free."""
         assert not seq.block_table
         hits = self._find_cached_prefix(seq)
+        num_fresh = self.num_missing_blocks(seq) - len(hits)  # blocks for the tokens past the hits
         num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # hits taken from the pool
-        if num_revived + seq.num_blocks - len(hits) > self.num_free_blocks:
+        if num_revived + num_fresh > self.num_free_blocks:
             return False
         for block in (self.blocks[b] for b in hits):
             # a hit on a freed block takes it back from the pool (a block in use is not in it)
             self.free_block_ids.pop(block.block_id, None)
             block.ref_count += 1
-        seq.block_table = hits + [self._allocate_fresh() for _ in range(seq.num_blocks - len(hits))]
+        seq.block_table = hits + [self._allocate_fresh() for _ in range(num_fresh)]
         # logits need at least one computed token: a fully cached prompt recomputes its last one
         seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_cached_tokens

@@ -10,6 +10,7 @@ shape cuBLAS meets for the first time loads a kernel lazily, which stalls the ho
 Owned and called by model_runner on the GPU (not with enforce_eager).
 """
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,11 +35,11 @@ def pinned(array: np.ndarray) -> Tensor:
 
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
-                 use_cascade: Callable[[int], bool],
-                 make_context: Callable[[ForwardContext], ForwardContext]) -> None:
-        """Capture a graph for every size up to max_batch (with cascade attention too where
-        use_cascade(size) allows it); all share one memory pool. make_context: the model
-        runner's, which builds every forward context."""
+                 make_context: Callable[[ForwardContext], ForwardContext],
+                 cascade: Any = None) -> None:
+        """Capture a graph for every size up to max_batch, and with cascade attention's shared
+        prefix too at the sizes where cascade (the extension's backend, None: off) uses it; all
+        share one memory pool. make_context: the model runner's, which builds every context."""
         self.model, self.make_context = model, make_context
         self.buffers = {  # static inputs and output that every graph reads and writes
             "input_ids": torch.zeros(max_batch, dtype=torch.int64),
@@ -49,22 +50,21 @@ class DecodeGraphs:
             "num_common_blocks": torch.zeros(1, dtype=torch.int32),
             "hidden": torch.zeros(max_batch, model.lm_head.weight.shape[1],
                                   dtype=model.lm_head.weight.dtype)}
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade) -> graph
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, shared) -> graph
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool that all graphs share
-        for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):  # largest first:
-            for cascade in {False, use_cascade(bs)}:  # the smaller ones reuse its memory
-                self.graphs[bs, cascade] = self._capture(bs, cascade)
-        for bs in {bs for bs, _ in self.graphs}:  # load the LM head's GEMM kernels now
-            model.lm_head(self.buffers["hidden"][:bs])
+        # largest first: the smaller ones reuse its memory
+        for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):
+            for shared in {False, cascade is not None and cascade.use_prefix(bs)}:
+                self.graphs[bs, shared] = self._capture(bs, shared)
+            model.lm_head(self.buffers["hidden"][:bs])  # load the LM head's GEMM kernel now
         torch.cuda.synchronize()
 
-    def _capture(self, bs: int, cascade: bool) -> torch.cuda.CUDAGraph:
-        b = {name: buf[:bs] for name, buf in self.buffers.items()}
-        ctx = self.make_context(ForwardContext(
-            is_prefill=False, input_ids=b["input_ids"], positions=b["positions"],
-            slot_mapping=b["slot_mapping"], context_lens=b["context_lens"],
-            block_tables=b["block_tables"],
-            num_common_blocks=self.buffers["num_common_blocks"] if cascade else None))
+    def _capture(self, bs: int, shared: bool) -> torch.cuda.CUDAGraph:
+        b = {name: buf[:bs] for name, buf in self.buffers.items()}  # num_common_blocks: (1,)
+        inputs = {name: b[name] for name in b if name != "hidden"}  # every buffer but hidden
+        if not shared:  # the plain decode: no shared prefix looked for
+            inputs["num_common_blocks"] = None
+        ctx = self.make_context(ForwardContext(is_prefill=False, **inputs))
         graph = torch.cuda.CUDAGraph()
         with forward_context(ctx):
             b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured

@@ -101,7 +101,7 @@ class ModelRunner:
         # decode graphs, captured on the device; None: every decode step runs eagerly
         with self.device, torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.max_graph_batch, self.max_blocks_per_seq,
-                                       self.use_cascade, self._context) if use_graphs else None
+                                       self._context, self.cascade) if use_graphs else None
 
     @torch.inference_mode()
     def _build_model(self) -> DecoderModel:
@@ -209,10 +209,6 @@ class ModelRunner:
         block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
         return block_tables[seq_index, block_index] * self.block_size + offset
 
-    def use_cascade(self, num_seqs: int) -> bool:
-        """Does a decode batch of num_seqs use the cascade backend's shared-prefix kernel?"""
-        return self.cascade is not None and self.cascade.use_prefix(num_seqs)
-
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width = max(len(seq.block_table) for seq in seqs)
         rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]  # -1: none
@@ -286,7 +282,6 @@ class ModelRunner:
         inputs = self.prepare(batch)
         if self.workers is None:
             return self.sample(self.forward(inputs, input_ids), batch.seqs)
-        assert input_ids is None, "the workers never see the sampled tokens: no overlap with TP"
         self.workers.check()
         self.workers.call("forward", inputs)
         try:

@@ -11,7 +11,6 @@ Called by: llm_engine (add, schedule, postprocess; cancel and abort after a fail
 """
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config
@@ -28,19 +27,6 @@ class Batch:
     starts: list[int] = field(default_factory=list)
 
 
-class SchedulerStats(NamedTuple):
-    """A read-only view of the queues and the KV blocks, shared by the trace, the timeline and
-    the server's metrics; the counts (num_preemptions and after) run since start-up."""
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    num_allocated: int  # blocks handed out fresh
-    num_freed: int  # blocks back in the pool
-    num_hits: int  # blocks served by the prefix cache
-
-
 class Scheduler:
     def __init__(self, config: Config, eos_token_ids: set[int]) -> None:
         self.max_num_seqs = config.max_num_seqs
@@ -50,19 +36,13 @@ class Scheduler:
                                           config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
-        self.num_preemptions = 0  # running count, read by the trace
+        self.num_preemptions = 0  # since start-up (extensions.stats)
 
     def add(self, *seqs: Sequence) -> None:
         self.waiting.extend(seqs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def stats(self) -> SchedulerStats:
-        bm = self.block_manager
-        return SchedulerStats(len(self.waiting), len(self.running), bm.num_free_blocks,
-                              len(bm.blocks), self.num_preemptions, bm.num_allocated,
-                              bm.num_freed, bm.num_hits)
 
     def schedule(self) -> Batch:
         prefill = self.schedule_prefill()  # prompts first; a decode when none can start

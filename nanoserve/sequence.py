@@ -9,7 +9,7 @@ token i in block block_table[i // block_size] at offset i % block_size.
 from enum import Enum, auto
 from itertools import count
 
-from nanoserve.config import SamplingParams, cdiv
+from nanoserve.config import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -45,11 +45,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks needed to hold every token of the sequence."""
-        return cdiv(self.num_tokens, self.block_size)
 
     @property
     def is_finished(self) -> bool:

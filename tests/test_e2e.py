@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.overlap import PENDING
+from nanoserve.extensions.stats import scheduler_stats
 from nanoserve.weights import default_model_dir
 
 pytestmark = pytest.mark.slow
@@ -98,7 +99,7 @@ def test_prefix_caching_on_and_off_agree(model_dir, prompts):
         with LLM(model_dir, enable_prefix_caching=caching, max_model_len=256) as llm:
             first = llm.generate(shared[:1], GREEDY, use_tqdm=False)  # computes the prefix once
             rest = llm.generate(shared, GREEDY, use_tqdm=False)  # every prompt can hit it
-            results[caching] = (first, rest, llm.scheduler.stats().num_hits)
+            results[caching] = (first, rest, scheduler_stats(llm.scheduler).num_hits)
     assert results[True][2] >= 2 * len(shared)  # each of the 8 prompts hit the 2 system blocks
     assert results[False][2] == 0
     on, off = results[True][1], results[False][1]

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.extensions.stats import scheduler_stats
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -166,7 +167,7 @@ def test_prefix_hit_matches_no_hit(model_dir):
                  enable_prefix_caching=caching) as llm:
             record_logprobs(llm, shared[:1])  # computes and caches the shared prefix
             results[caching] = record_logprobs(llm, shared[1:])
-            hits = llm.scheduler.stats().num_hits
+            hits = scheduler_stats(llm.scheduler).num_hits
         assert (hits >= 6 * 40) if caching else hits == 0
     assert_logprobs_close(*results[True], *results[False], tol=SAME_ENGINE_TOL)
 

@@ -34,7 +34,6 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from nanoserve.config import Config
 from nanoserve.llm_engine import RequestOutput
-from nanoserve.scheduler import SchedulerStats
 from nanoserve.server import cli, engine_loop
 from nanoserve.server.metrics import Metrics
 from nanoserve.weights import default_model_dir
@@ -209,9 +208,10 @@ def test_many_streams_share_the_events_of_a_step():
     """Past EVENTS_PER_STEP requests in a step, each gets its outputs every few steps, several
     at once; first and last outputs go at once. (The engine loop alone, with a fake engine.)"""
     n = 2 * engine_loop.EVENTS_PER_STEP  # so each request's turn comes every 2 steps
-    stats = SchedulerStats(num_waiting=0, num_running=0, num_free_blocks=1, num_blocks=1,
-                           num_preemptions=0, num_allocated=0, num_freed=0, num_hits=0)
-    engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(stats=lambda: stats))
+    blocks = types.SimpleNamespace(num_free_blocks=1, blocks=[None], num_allocated=0, num_freed=0,
+                                   num_hits=0)  # what extensions.stats reads
+    engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(
+        waiting=[], running=[], num_preemptions=0, block_manager=blocks))
     loop = engine_loop.EngineLoop(engine, Metrics())
     sent: list[list] = []  # each step's (queue, outputs) pairs handed to the event loop
     loop.event_loop = types.SimpleNamespace(call_soon_threadsafe=lambda fn, pairs: sent.append(

@@ -3,7 +3,7 @@
 Owns: the record (a column per step, a row per request: prefill chunks, decodes, preemption and
 recompute, prefix-cache hits, the finish; per step: tokens, batch size, KV blocks in use) and its
 matplotlib figure. Does not own scheduling: it reads what the scheduler did from host-side state it
-already keeps (the batch, the queues, Scheduler.stats()), so recording adds no device sync, and an
+already keeps (the batch, the queues, extensions.stats), so recording adds no device sync, and an
 engine without `timeline=True` builds none (nor imports this module, or matplotlib). Attaches at
 the core's "a step's outputs" point (a StepObserver); users read it as `llm.timeline`:
 
@@ -23,6 +23,7 @@ import numpy as np
 from matplotlib import colors, figure, patches  # a bare Figure, no pyplot: no global state
 
 from nanoserve.config import Config
+from nanoserve.extensions.stats import scheduler_stats
 from nanoserve.llm_engine import LLMEngine, StepObserver
 from nanoserve.scheduler import Batch, Scheduler
 from nanoserve.sequence import Sequence
@@ -62,13 +63,14 @@ class Timeline(StepObserver):
     def __init__(self, config: Config, scheduler: Scheduler) -> None:
         self.config, self.scheduler = config, scheduler
         # num_preemptions: the scheduler's running count as last seen (it may start above 0)
-        self.rows, self.steps, self.num_preemptions = {}, [], scheduler.stats().num_preemptions
+        self.rows, self.steps = {}, []
+        self.num_preemptions = scheduler_stats(scheduler).num_preemptions
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
         """Add a column: `batch` was just postprocessed and `finished` ended in it (they are the
         batch's sequences finished now, which is how they are found). Costs O(batch + arrivals +
         preemptions): it never walks the whole queues. Finishes nothing itself: returns []."""
-        step, sched, stats = len(self.steps), self.scheduler, self.scheduler.stats()
+        step, sched, stats = len(self.steps), self.scheduler, scheduler_stats(self.scheduler)
         for seq in batch.seqs:  # each seen at its first prefill at the latest
             row = self.rows.setdefault(seq.seq_id, Row(seq.seq_id, seq.num_prompt_tokens, step))
             if row.finish is None:  # with overlap, a decode can run one step past a late EOS

@@ -2,7 +2,7 @@
 
 Each line says what the step was (prefill or decode, sequences, tokens, milliseconds since the
 last line) and what it did to the KV blocks (allocated, freed, prefix-cache hits), preemptions
-and finished requests. Reads only Scheduler.stats(), the read-only view the timeline and the
+and finished requests. Reads only extensions.stats, the read-only view the timeline and the
 server's metrics share. Attaches at the core's "a step's outputs" point (a StepObserver).
 """
 import logging
@@ -11,6 +11,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from nanoserve.extensions.stats import scheduler_stats
 from nanoserve.llm_engine import LLMEngine, StepObserver
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
@@ -41,10 +42,10 @@ def show_trace() -> None:
 class Trace(StepObserver):
     def __init__(self, engine: LLMEngine) -> None:
         self.scheduler = engine.scheduler
-        self.last, self.last_time = self.scheduler.stats(), time.perf_counter()
+        self.last, self.last_time = scheduler_stats(self.scheduler), time.perf_counter()
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
-        now, stats = time.perf_counter(), self.scheduler.stats()
+        now, stats = time.perf_counter(), scheduler_stats(self.scheduler)
         # this step's counts: the differences of the counters (num_preemptions and after)
         d = type(stats)(*(new - old for new, old in zip(stats, self.last)))
         logger.info(f"{'prefill' if batch.is_prefill else 'decode':7s} seqs={len(batch.seqs):<3d} "

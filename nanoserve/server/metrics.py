@@ -7,6 +7,7 @@ Names follow vLLM's (`vllm:` becomes `nanoserve_`); counters get prometheus_clie
 """
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from nanoserve.extensions.stats import scheduler_stats
 from nanoserve.llm_engine import LLMEngine, RequestOutput
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -47,8 +48,8 @@ class Metrics:
                                    buckets=STEP_SIZE_BUCKETS, registry=r)
 
     def observe_engine(self, engine: LLMEngine) -> None:
-        """Queue lengths and KV usage, as the engine holds them now (Scheduler.stats)."""
-        stats = engine.scheduler.stats()
+        """Queue lengths and KV usage, as the engine holds them now (extensions.stats)."""
+        stats = scheduler_stats(engine.scheduler)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(1 - stats.num_free_blocks / max(stats.num_blocks, 1))
