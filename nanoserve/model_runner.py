@@ -197,9 +197,11 @@ class ModelRunner:
             return ctx
         ctx.cu_seqlens_q, ctx.cu_seqlens_k = np.array(cu_q, np.int32), np.array(cu_k, np.int32)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max(batch.num_new_tokens), int(num_keys.max())
-        # attention reads every key, a prefix-cache hit or new, at its slot (Nk,)
-        key_positions = np.arange(cu_k[-1]) - np.repeat(cu_k[:-1], num_keys)  # (Nk,)
-        ctx.context_slots = self.slots(block_tables, np.repeat(seq_index, num_keys), key_positions)
+        # attention reads every key, a prefix-cache hit or new, at its slot: the slots of each
+        # sequence's blocks (S, width * B), of which the first num_keys of each row (Nk,)
+        block_slots = block_tables[:, :, None] * self.block_size + np.arange(self.block_size)
+        block_slots = block_slots.reshape(len(batch.seqs), -1)
+        ctx.context_slots = block_slots[np.arange(block_slots.shape[1]) < num_keys[:, None]]
         return ctx
 
     def slots(self, block_tables: np.ndarray, seq_index: np.ndarray,
