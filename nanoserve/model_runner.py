@@ -212,9 +212,10 @@ class ModelRunner:
         return block_tables[seq_index, block_index] * self.block_size + offset
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        width = max(len(seq.block_table) for seq in seqs)
-        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]  # -1: none
-        return np.array(rows, np.int32)  # (S, width): one conversion of equal-length rows
+        width, flat = max(len(seq.block_table) for seq in seqs), []
+        for seq in seqs:  # one flat list, then one conversion: the fastest way to numpy
+            flat += seq.block_table + [-1] * (width - len(seq.block_table))  # -1: no block
+        return np.array(flat, np.int32).reshape(len(seqs), width)  # (S, width)
 
     # ---- device side: arrays -> logits (every rank) -------------------------------------------
     def to_device(self, array: np.ndarray | Tensor | None) -> Tensor | None:

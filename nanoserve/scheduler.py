@@ -81,13 +81,14 @@ class Scheduler:
         seqs: list[Sequence] = []
         while self.running and len(seqs) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq) and self.running:
+            while not self.block_manager.can_append(seq):  # checked once when it fits
+                if not self.running:
+                    self._preempt(seq)  # the oldest alone does not fit: it waits for free blocks
+                    break
                 self._preempt(self.running.pop())  # the newest gives its blocks back
-            if self.block_manager.can_append(seq):
+            else:
                 self.block_manager.append_slot(seq)
                 seqs.append(seq)
-            else:
-                self._preempt(seq)  # the oldest alone does not fit: it waits for free blocks
         self.running.extendleft(reversed(seqs))  # keep arrival order: oldest first
         # the batch runs longest context first: the decode kernel starts its programs in batch
         # order, and starting the longest work first lets the SMs finish together
