@@ -87,7 +87,7 @@ def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
         seq = Sequence(list(range(1, CONTEXT + 1)), SamplingParams(temperature=0), B)
         seq.block_table = list(range(s * CONTEXT // B, (s + 1) * CONTEXT // B))
         seqs.append(seq)
-    inputs = runner.prepare(Batch(seqs, [1] * batch, False, [s.num_tokens - 1 for s in seqs]))
+    inputs = runner.prepare(Batch.decode(seqs))
     max_graph_batch = runner.max_graph_batch
     runner.max_graph_batch = max_graph_batch if graphs else 0  # 0: every decode runs eagerly
     seconds = time_cuda(lambda: runner.sample(runner.forward(inputs), seqs), iters=30)

@@ -269,8 +269,8 @@ class ModelRunner:
             # a seeded row's key: its seed and the position of the token it samples; others: any
             key = [k if seq.params.seed is None else sampling_key(seq.params.seed, seq.num_tokens)
                    for k, seq in zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(), seqs)]
-            token_ids = layers.OPS.sample(logits, d(np.array([p.temperature for p in params],
-                                                             np.float32)), d(np.array(key)))
+            temperatures = d(np.array([p.temperature for p in params], np.float32))  # (S,)
+            token_ids = layers.OPS.sample(logits, temperatures, d(np.array(key, np.int64)))
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
         out = StepOutput(token_ids, token_ids.to("cpu", non_blocking=True))
         for hook in self.sampling_hooks:  # the model's logits, before any hook changed them

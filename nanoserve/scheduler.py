@@ -26,6 +26,11 @@ class Batch:
     is_prefill: bool
     starts: list[int] = field(default_factory=list)
 
+    @staticmethod
+    def decode(seqs: list[Sequence]) -> "Batch":
+        """A decode step: every sequence computes its newest token."""
+        return Batch(seqs, [1] * len(seqs), False, [seq.num_tokens - 1 for seq in seqs])
+
 
 class Scheduler:
     def __init__(self, config: Config, eos_token_ids: set[int]) -> None:
@@ -93,7 +98,7 @@ class Scheduler:
         # the batch runs longest context first: the decode kernel starts its programs in batch
         # order, and starting the longest work first lets the SMs finish together
         seqs.sort(key=lambda seq: seq.num_tokens, reverse=True)
-        return Batch(seqs, [1] * len(seqs), False, [seq.num_tokens - 1 for seq in seqs])
+        return Batch.decode(seqs)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

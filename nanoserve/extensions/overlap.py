@@ -75,7 +75,7 @@ class OverlapLoop:
         for seq in seqs:
             seq.append_token(PENDING)
             bm.append_slot(seq)
-        return Batch(seqs, [1] * len(seqs), False, [seq.num_tokens - 1 for seq in seqs])
+        return Batch.decode(seqs)
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
         for seq in batch.seqs:

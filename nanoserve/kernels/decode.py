@@ -57,6 +57,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, v
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (ROWS, D) fp32 accumulation
     return m_new, l_i, acc
 
+
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, qk_scale, v_scale, q_stride_s, q_stride_h, cache_stride_block,

@@ -1,10 +1,11 @@
 """Prefill attention: packed variable-length causal attention over new tokens and cached context.
 
 Owns no Triton kernel: on the GPU it calls FlashAttention (flash-attn when installed, else torch's
-built-in FlashAttention-2); on the CPU, and as the test oracle, prefill_attention_ref. No paging: a
-prefix-cache hit first gathers its context's K/V (gather_kv, at the slots the model runner lists
-once per step). Invariant: the causal mask is aligned bottom-right, so query i of a sequence is
-its token Lk - Lq + i. Called by layers.Attention.
+built-in FlashAttention-2); on the CPU, and as the test oracle, prefill_attention_ref. No paging:
+a prefill first gathers every key's K/V from the cache, prefix-cache hits and new tokens alike
+(gather_kv, at the slots the model runner lists once per step). Invariant: the causal mask is
+aligned bottom-right, so query i of a sequence is its token Lk - Lq + i. Called by
+layers.Attention.
 """
 
 import torch
@@ -51,6 +52,6 @@ def prefill_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 def gather_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor,
               dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """K and V (Nk, Hkv, D) of the cache slots (Nk,) in dtype (the queries'): a prefill's whole
-    context, packed, for prefix hits. An fp8 cache is dequantized by the cast (scale 1)."""
+    context, packed. An fp8 cache is dequantized by the cast (scale 1)."""
     # (num_blocks * B, Hkv, D): one row per slot
     return k_cache.flatten(0, 1)[slots].to(dtype), v_cache.flatten(0, 1)[slots].to(dtype)
