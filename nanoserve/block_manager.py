@@ -102,14 +102,15 @@ class BlockManager:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids, block.computed = NO_HASH, [], False
 
-    def free(self, seq: Sequence) -> None:
-        """Drop seq's references; blocks nobody uses go back to the pool.
+    def free(self, seq: Sequence, keep: int = 0) -> None:
+        """Drop seq's references to its blocks past the first `keep` (all by default; a step that
+        reserved slots it did not use gives them back); blocks nobody uses go back to the pool.
 
         A freed computed block keeps its hash and stays hittable until it is handed out again (least
         recently freed first); one registered for a step that never finished has no K/V, so it
         leaves the index."""
         # last block first: a sequence's tail is the least likely prefix of another: evict it first
-        for block in (self.blocks[b] for b in reversed(seq.block_table)):
+        for block in (self.blocks[b] for b in reversed(seq.block_table[keep:])):
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
@@ -117,8 +118,9 @@ class BlockManager:
                     self._unregister(block)
                 self.free_block_ids[block.block_id] = None
                 self.num_freed += 1
-        seq.block_table = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0  # num_cached_tokens: for the output
+        del seq.block_table[keep:]
+        if not keep:
+            seq.num_computed_tokens = seq.num_hashed_blocks = 0  # num_cached_tokens: the output
 
     # ---- decode: one more slot -------------------------------------------------------------------
     def num_missing_blocks(self, seq: Sequence, num_extra_tokens: int = 0) -> int:

@@ -54,7 +54,8 @@ def _is_a(x: object, types: type | tuple[type, ...]) -> bool:
 
 
 # Config fields that count something (sequences, tokens, ranks): each at least 1
-SIZES = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size")
+SIZES = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size",
+         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 # the checks of Config's fields that hold on any machine (the GPU and the checkpoint add more)
 CONFIG_CHECKS: tuple[Check, ...] = (
     *((name, lambda v: v >= 1, "at least 1") for name in SIZES),
@@ -63,6 +64,7 @@ CONFIG_CHECKS: tuple[Check, ...] = (
     ("dtype", lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {list(DTYPES)}"),
     ("device", lambda v: v in ("auto", "cuda", "cpu"), "'auto', 'cuda' or 'cpu'"),
     ("kv_cache_dtype", lambda v: v in ("auto", "fp8"), "'auto' (the model's dtype) or 'fp8'"),
+    ("speculative_method", lambda v: v in (None, "ngram"), "None (off) or 'ngram'"),
 )
 
 
@@ -84,6 +86,10 @@ class Config:
     dtype: str = "auto"  # "auto": the checkpoint's dtype on GPU, float32 on CPU; or a DTYPES key
     device: str = "auto"  # "auto": "cuda" when available, else "cpu"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3, half the bytes
+    speculative_method: str | None = None  # "ngram": propose tokens by prompt lookup, verify
+    num_speculative_tokens: int = 4  # most tokens proposed per sequence and step
+    prompt_lookup_min: int = 2  # the n-gram sizes the lookup matches: longest first
+    prompt_lookup_max: int = 4
     trace: bool = False  # log one line per engine step (also NANOSERVE_TRACE=1)
     timeline: bool = False  # record every step for a picture of the run (LLM.timeline.plot)
 

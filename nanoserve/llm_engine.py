@@ -133,7 +133,8 @@ class LLMEngine:
         # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait
         # for them is also what tells it the workers have read a call before the next one
         for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
-                         ("trace", cfg.trace), ("timeline", cfg.timeline)):
+                         ("speculative", cfg.speculative_method), ("trace", cfg.trace),
+                         ("timeline", cfg.timeline)):
             if on:
                 self._attach(name)
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left

@@ -259,7 +259,8 @@ class ModelRunner:
 
     # ---- sampling (rank 0) --------------------------------------------------------------------
     @torch.inference_mode()
-    def sample(self, logits: Tensor, seqs: list[Sequence]) -> StepOutput:
+    def sample(self, logits: Tensor, seqs: list[Sequence], positions: list[int]) -> StepOutput:
+        """A token for each row of logits: seqs[i]'s token at positions[i]."""
         params, d, model_logits = [seq.params for seq in seqs], self.to_device, logits
         for hook in self.sampling_hooks:
             logits = hook.before_sample(logits, seqs)
@@ -267,8 +268,9 @@ class ModelRunner:
             token_ids = logits.argmax(-1)  # (S,) int64
         else:  # the draw decided by each row's key (kernels.sampling, through layers.OPS)
             # a seeded row's key: its seed and the position of the token it samples; others: any
-            key = [k if seq.params.seed is None else sampling_key(seq.params.seed, seq.num_tokens)
-                   for k, seq in zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(), seqs)]
+            key = [k if seq.params.seed is None else sampling_key(seq.params.seed, position)
+                   for k, seq, position in zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(),
+                                               seqs, positions)]
             temperatures = d(np.array([p.temperature for p in params], np.float32))  # (S,)
             token_ids = layers.OPS.sample(logits, temperatures, d(np.array(key, np.int64)))
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
@@ -283,12 +285,14 @@ class ModelRunner:
         """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns
         without waiting for the GPU. input_ids: see forward."""
         inputs = self.prepare(batch)
+        # each row samples the token after its sequence's last new token
+        rows = batch.seqs, [s + n for s, n in zip(batch.starts, batch.num_new_tokens)]
         if self.workers is None:
-            return self.sample(self.forward(inputs, input_ids), batch.seqs)
+            return self.sample(self.forward(inputs, input_ids), *rows)
         self.workers.check()
         self.workers.call("forward", inputs)
         try:
-            out = self.sample(self.forward(inputs), batch.seqs)
+            out = self.sample(self.forward(inputs), *rows)
             out.tolist()  # wait here, where a collective broken by a dying worker is recognised
             return out
         except RuntimeError:

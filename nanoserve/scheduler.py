@@ -119,7 +119,7 @@ class Scheduler:
             self.block_manager.mark_computed(seq, num_new)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token is sampled until the whole prompt is cached
-            seq.append_token(token_id)
+            seq.token_ids.append(token_id)
             seq.finish_reason = self._finish_reason(seq, token_id)
             if seq.finish_reason is not None:  # it sampled, so it is in `running`, not `waiting`
                 seq.status = SequenceStatus.FINISHED

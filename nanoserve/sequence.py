@@ -53,10 +53,3 @@ class Sequence:
     def block_tokens(self, i: int) -> list[int]:
         """Token ids stored in the i-th block of this sequence."""
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
-    def pop_token(self) -> int:
-        """Take back the newest token (overlap: a placeholder the real token replaces)."""
-        return self.token_ids.pop()

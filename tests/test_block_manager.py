@@ -172,7 +172,7 @@ def test_fully_cached_prompt_recomputes_last_token():
     compute(bm, b)
     assert bm.hash_to_block_id == index_before
     # the first output token starts a fresh block of b's own
-    b.append_token(42)
+    b.token_ids.append(42)
     assert bm.can_append(b)
     bm.append_slot(b)
     assert len(b.block_table) == 3 and b.block_table[2] not in a.block_table
@@ -286,19 +286,19 @@ def test_can_append_and_append_slot_at_block_boundaries():
     assert bm.allocate(seq)
     compute(bm, seq)
     assert len(seq.block_table) == 1
-    seq.append_token(5)  # token 5 starts block 2
+    seq.token_ids.append(5)  # token 5 starts block 2
     assert bm.can_append(seq)
     bm.append_slot(seq)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 0
     for t in (6, 7, 8):  # fill block 2: no new block, so it works with nothing free
         compute(bm, seq, seq.num_tokens)
-        seq.append_token(t)
+        seq.token_ids.append(t)
         assert bm.can_append(seq)
         bm.append_slot(seq)
         assert len(seq.block_table) == 2
     compute(bm, seq, seq.num_tokens)
     assert seq.num_hashed_blocks == 2  # the full second block is registered once computed
-    seq.append_token(9)  # needs a third block, and none is free
+    seq.token_ids.append(9)  # needs a third block, and none is free
     assert not bm.can_append(seq)
     bm.free(seq)
     assert bm.num_free_blocks == 2
@@ -339,7 +339,7 @@ def test_random_workload_frees_every_block(enable_prefix_caching):
                 assert seq.block_table == []
         elif op < 0.75 and live:
             seq = rng.choice(live)
-            seq.append_token(rng.randrange(50))
+            seq.token_ids.append(rng.randrange(50))
             if bm.can_append(seq):
                 bm.append_slot(seq)
                 compute(bm, seq)

@@ -73,14 +73,14 @@ class OverlapLoop:
         if not seqs or sum(bm.num_missing_blocks(seq, 1) for seq in seqs) > bm.num_free_blocks:
             return None
         for seq in seqs:
-            seq.append_token(PENDING)
+            seq.token_ids.append(PENDING)
             bm.append_slot(seq)
         return Batch.decode(seqs)
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING and not seq.is_finished:
-                seq.pop_token()  # the real token (postprocess appends it) replaces it
+                seq.token_ids.pop()  # the real token (postprocess appends it) replaces it
         # a sequence that finished a step ago (EOS seen late) gets no token: postprocess skips it
         return self.postprocess(batch, out, out.tolist())
 
@@ -98,7 +98,7 @@ class OverlapLoop:
             (batch, _), self.ahead = self.ahead, None
         for seq in batch.seqs:
             if seq.token_ids[-1] == PENDING:
-                seq.pop_token()
+                seq.token_ids.pop()
         self.scheduler.cancel(batch)
 
 

@@ -1,0 +1,191 @@
+"""Speculative decoding: n-gram proposals, verified in one step, the same tokens as without it.
+
+Proposal (prompt lookup): a sequence whose last n tokens (n from prompt_lookup_max down to
+prompt_lookup_min) appeared earlier in it proposes the tokens that followed there, at most
+num_speculative_tokens: its drafts. They join its token list for one decode step, which computes
+the newest token and the drafts together: a row of the batch per token, each attending to the
+cache up to itself (the core's decode of several tokens per sequence).
+Verification: row j samples the token after it with the key a step without drafts would use
+there, so draft j + 1 is accepted exactly when row j's race picks it. The first row whose pick
+differs gives the sequence its last token of the step; the drafts after it are dropped and their
+blocks go back. Greedy and seeded requests get the tokens they get without speculation; unseeded
+ones keep the model's distribution (each token is the plain sampler's draw given those before).
+Each accepted token is recorded as a step of its own would record it (EOS, stop tokens,
+max_tokens, logprobs, the prefix cache's hashes), so only accepted tokens enter the cache's index.
+Attaches at the core's step loop (LLMEngine.loop); overlap scheduling is off with it.
+"""
+import logging
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanoserve.config import cdiv
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.model_runner import StepOutput
+from nanoserve.scheduler import Batch
+from nanoserve.sequence import Sequence
+
+logger = logging.getLogger("nanoserve")
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence's tokens (n_min <= n <= n_max) last ended, kept up to date
+    as its tokens grow: a proposal costs O(new tokens), not O(sequence)."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token
+        self.num_indexed = 0  # the n-grams ending before this index are in `ends`
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier match of the longest suffix of tokens
+        (n_min..n_max tokens long) that occurred before; [] when none did."""
+        for end in range(self.num_indexed, len(tokens) - 1):  # the last token ends no earlier one
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self.ends[tuple(tokens[end + 1 - n:end + 1])] = end
+        self.num_indexed = max(self.num_indexed, len(tokens) - 1)
+        for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
+            if (end := self.ends.get(tuple(tokens[-n:]))) is not None:
+                return tokens[end + 1:end + 1 + k]
+        return []
+
+
+@dataclass
+class SpecStats:
+    """Counts since start-up, named like vLLM's spec_decode counters."""
+    num_drafts: int = 0  # sequence-steps that proposed drafts
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence-step with drafts emits, on average: 1 + accepted drafts."""
+        return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+
+class SpeculativeLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        cfg = engine.config
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={cfg.prompt_lookup_min} exceeds prompt_lookup_max"
+                             f"={cfg.prompt_lookup_max}: the lookup's n-gram sizes are a range")
+        self.engine, self.scheduler, self.runner = engine, engine.scheduler, engine.model_runner
+        self.k, self.stats = cfg.num_speculative_tokens, SpecStats()
+        self.indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+        self.max_rows = self.runner.max_graph_batch or cfg.max_num_seqs * (1 + self.k)
+
+    def step(self) -> tuple[list[Sequence], Batch]:
+        """A prefill as the plain loop runs it, or a decode step with every sequence's drafts."""
+        batch, drafts = self.scheduler.schedule_prefill(), {}
+        if not batch.seqs:
+            drafts = self.propose()
+            batch = self.scheduler.schedule_decode()
+            in_batch = set(batch.seqs)  # drafts of sequences left out (preempted) go
+            self.drop_drafts([seq for seq in drafts if seq not in in_batch], drafts)
+        try:
+            out = self.runner.run(self.rows(batch, drafts) if drafts else batch)
+            token_ids = out.tolist()
+        except BaseException:
+            self.drop_drafts(list(drafts), drafts)
+            self.scheduler.cancel(batch)  # its prompts wait again
+            raise
+        if not drafts:
+            return self.engine.postprocess(batch, out, token_ids), batch
+        # what the step computed: each sequence's newest token and its drafts
+        num_new = [1 + len(drafts.get(seq, ())) for seq in batch.seqs]
+        starts = [start + 1 - n for start, n in zip(batch.starts, num_new)]
+        return self.verify(batch, out, token_ids, drafts), Batch(batch.seqs, num_new, False, starts)
+
+    def propose(self) -> dict[Sequence, list[int]]:
+        """Drafts for the running sequences, appended to their tokens; none when their blocks do
+        not fit or their rows would leave the captured CUDA graphs."""
+        running = list(self.scheduler.running)[:self.scheduler.max_num_seqs]
+        room, drafts = self.max_rows - len(running), {}
+        for seq in running:
+            params = seq.params
+            limit = min(self.k, room, params.max_tokens - seq.num_output_tokens - 1)
+            index = self.indexes.setdefault(seq, NgramIndex(self.engine.config.prompt_lookup_min,
+                                                            self.engine.config.prompt_lookup_max))
+            if limit > 0 and (draft := index.propose(seq.token_ids, limit)):
+                drafts[seq], room = draft, room - len(draft)
+        bm = self.scheduler.block_manager
+        if sum(bm.num_missing_blocks(seq, len(d)) for seq, d in drafts.items()) > \
+                bm.num_free_blocks:
+            return {}  # drafts never preempt a sequence
+        for seq, draft in drafts.items():
+            seq.token_ids += draft
+        return drafts
+
+    @staticmethod
+    def rows(batch: Batch, drafts: dict[Sequence, list[int]]) -> Batch:
+        """The decode step with a row per token: each sequence's newest token, then its drafts,
+        each row attending to the cache up to its own token and sampling the token after it."""
+        seqs, starts = [], []
+        for seq, start in zip(batch.seqs, batch.starts):
+            num_rows = 1 + len(drafts.get(seq, ()))
+            seqs += [seq] * num_rows
+            starts += range(start - num_rows + 1, start + 1)
+        return Batch(seqs, [1] * len(seqs), False, starts)
+
+    @staticmethod
+    def drop_drafts(seqs: list[Sequence], drafts: dict[Sequence, list[int]]) -> None:
+        """Take seqs' drafts out of their tokens (and out of drafts)."""
+        for seq in seqs:
+            if seq in drafts:
+                del seq.token_ids[-len(drafts.pop(seq)):]
+
+    def verify(self, batch: Batch, out: StepOutput, token_ids: list[int],
+               drafts: dict[Sequence, list[int]]) -> list[Sequence]:
+        """Keep each sequence's drafts up to the first its rows did not sample, then record the
+        emitted tokens in rounds: round j records the (j+1)-th token of every sequence that
+        emits one, as a plain decode step would. Returns the sequences that finished."""
+        emitted, row = [], 0  # per sequence: the rows whose samples it keeps
+        for seq in batch.seqs:
+            draft = drafts.get(seq, [])
+            num_accepted = next((j for j, t in enumerate(draft) if token_ids[row + j] != t),
+                                len(draft))
+            emitted.append(range(row, row + num_accepted + 1))
+            row += 1 + len(draft)
+            self.stats.num_drafts += bool(draft)
+            self.stats.num_draft_tokens += len(draft)
+            self.stats.num_accepted_tokens += num_accepted
+        self.drop_drafts(list(drafts), drafts)  # each token is appended again as it is recorded
+        finished, stop = [], self.engine.extensions.get("stop_strings")
+        for j in range(max(map(len, emitted))):
+            now = [(seq, rows[j]) for seq, rows in zip(batch.seqs, emitted)
+                   if j < len(rows) and not seq.is_finished]
+            seqs, rows = [seq for seq, _ in now], [r for _, r in now]
+            if seqs:
+                step = Batch.decode(seqs)
+                finished += self.engine.postprocess(step, select(out, rows),
+                                                    [token_ids[r] for r in rows])
+                if stop is not None:  # a stop string ends the run at the token that completes it
+                    finished += stop.after_step(step, [])
+        bm = self.scheduler.block_manager
+        for seq in batch.seqs:  # the blocks only rejected drafts were to fill go back
+            if not seq.is_finished:
+                bm.free(seq, keep=cdiv(seq.num_tokens, bm.block_size))
+        return finished
+
+    def finish(self) -> None:
+        """Nothing is in flight between steps."""
+
+    def cancel(self) -> None:
+        """Nothing is in flight between steps."""
+
+
+def select(out: StepOutput, rows: list[int]) -> StepOutput:
+    """The rows of a step's output (host copies, already waited for)."""
+    index = np.array(rows)
+    return StepOutput(out.host[index], out.host[index], None,
+                      {name: tuple(t[index] for t in ts) for name, ts in out.extras.items()})
+
+
+def attach(engine: LLMEngine) -> SpeculativeLoop:
+    engine.loop = SpeculativeLoop(engine)
+    cfg = engine.config
+    logger.info(f"speculative decoding: {cfg.speculative_method}, up to "
+                f"{cfg.num_speculative_tokens} tokens per step, n-grams of "
+                f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max} tokens; overlap scheduling off")
+    return engine.loop
