@@ -18,7 +18,7 @@ import numbers
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -100,14 +100,7 @@ class TextStream:
         return out
 
 
-def progress_bar(total: int, shown: bool) -> tqdm:
-    """generate()'s bar. Where stderr is no terminal (a log file) it is drawn once, at the end
-    (by its caller): its redraws would come between the trace's lines there."""
-    return tqdm(total=total, desc="Generating", disable=not shown, dynamic_ncols=True,
-                delay=0 if sys.stderr.isatty() else math.inf)
-
-
-class LLMEngine:
+class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it down at the end
     def __init__(self, model: str | None = None, **kwargs) -> None:
         names = [f.name for f in fields(Config)]
         if unknown := set(kwargs) - set(names):
@@ -130,6 +123,7 @@ class LLMEngine:
         self.observers: list[StepObserver] = []  # a step's outputs
         self.extensions: dict[str, object] = {}  # name -> what its attach() returned
         self.timeline = None  # with timeline=True, the record of every step
+        self.num_sampled = 0  # tokens sampled since start-up
         # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait
         # for them is also what tells it the workers have read a call before the next one
         for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
@@ -258,6 +252,7 @@ class LLMEngine:
         """Hand a step's tokens to the observers, then to the scheduler; return the finished."""
         for observer in self.observers:
             observer.on_tokens(batch, out, token_ids)
+        self.num_sampled += len(token_ids)  # for the progress bar (a prompt's chunks count too)
         return self.scheduler.postprocess(batch, token_ids)
 
     def _stream_output(self, seq: Sequence) -> RequestOutput | None:
@@ -309,15 +304,18 @@ class LLMEngine:
         its sequence finishes (while the GPU already runs the next step, with overlap)."""
         texts: dict[int, str] = {}
         self.scheduler.add(*seqs)
-        bar = progress_bar(len(seqs), use_tqdm)
+        # no terminal (a log file): drawn once, at the end; redraws would split the trace's lines
+        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True,
+                   delay=0 if sys.stderr.isatty() else math.inf)
         ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
-        start, num_tokens = time.perf_counter(), 0
+        start, first = time.perf_counter(), self.num_sampled
         try:
             while len(texts) < len(seqs):  # each sequence finishes once
                 finished, batch = self.step()
-                num_tokens += len(batch.seqs)  # a token each, but for prompt chunks
-                rate = num_tokens / (time.perf_counter() - start)
-                bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+                rate = (self.num_sampled - first) / (time.perf_counter() - start)
+                # a step loop may add figures of its own (speculation: its acceptance)
+                bar.set_postfix_str(f"{rate:,.0f} tokens/s{getattr(self.loop, 'progress', '')}",
+                                    refresh=False)
                 for seq in (seq for seq in finished if seq.seq_id in ids):
                     text = self.streams.get(seq.seq_id)  # with stop strings: cut there
                     texts[seq.seq_id] = text.text if text is not None else self.tokenizer.decode(
@@ -349,9 +347,6 @@ class LLMEngine:
                 self.workers = None
             atexit.unregister(self.shutdown)
             gc.unfreeze()  # back into the oldest generation: collectable again
-
-    def __enter__(self) -> "LLMEngine":
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()

@@ -186,8 +186,11 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + num_new)
             cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
         positions, block_tables = np.array(positions, np.int64), self.block_tables(batch.seqs)
-        num_keys, seq_index = np.diff(cu_k), np.arange(len(batch.seqs))  # (S,) each
-        new_slots = self.slots(block_tables, np.repeat(seq_index, batch.num_new_tokens), positions)
+        num_keys = np.diff(cu_k)  # (S,)
+        # each new token's slot, block_id * B + offset, the block from its sequence's table row
+        block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
+        seq_index = np.repeat(np.arange(len(batch.seqs)), batch.num_new_tokens)  # (N,)
+        new_slots = block_tables[seq_index, block_index] * self.block_size + offset
         ctx = ForwardContext(is_prefill=batch.is_prefill, input_ids=np.array(input_ids, np.int64),
                              positions=positions, slot_mapping=new_slots.astype(np.int32))
         if not batch.is_prefill:  # the decode kernel reads each context through its block table
@@ -204,13 +207,6 @@ class ModelRunner:
         ctx.context_slots = block_slots[np.arange(block_slots.shape[1]) < num_keys[:, None]]
         return ctx
 
-    def slots(self, block_tables: np.ndarray, seq_index: np.ndarray,
-              positions: np.ndarray) -> np.ndarray:
-        """(N,) int64: the cache slot of each token, block_id * B + offset, block_id from its
-        sequence's row of block_tables (seq_index (N,)), at positions (N,)."""
-        block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
-        return block_tables[seq_index, block_index] * self.block_size + offset
-
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width, flat = max(len(seq.block_table) for seq in seqs), []
         for seq in seqs:  # one flat list, then one conversion: the fastest way to numpy
@@ -222,22 +218,20 @@ class ModelRunner:
         """array on the device, copied without blocking the host (from pinned memory on CUDA);
         a tensor (a CUDA graph's buffer) is there already."""
         if array is None or isinstance(array, Tensor):
-            return array
-        if self.device.type == "cpu":  # nothing to copy
-            return torch.from_numpy(array)
-        return pinned(array).to(self.device, non_blocking=True)
+            return array  # on the CPU: nothing to copy
+        cpu = self.device.type == "cpu"
+        return torch.from_numpy(array) if cpu else pinned(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardContext, input_ids: Tensor | None = None) -> Tensor | None:
         """Run the model on one batch; return logits (S, V) on rank 0, None on other ranks.
         input_ids: the batch's tokens already on the device (overlap), else inputs.input_ids."""
         num_seqs = len(inputs.cu_seqlens_q) - 1 if inputs.is_prefill else len(inputs.positions)
+        input_ids = self.to_device(inputs.input_ids) if input_ids is None else input_ids
         if inputs.is_prefill or num_seqs > self.max_graph_batch:
             with forward_context(ctx := self._context(inputs)):
-                input_ids = ctx.input_ids if input_ids is None else input_ids
                 hidden = self.model(input_ids, ctx.positions)  # (N, hidden)
         else:  # a decode batch that fits a captured graph
-            input_ids = self.to_device(inputs.input_ids) if input_ids is None else input_ids
             hidden = self.graphs.replay(inputs, input_ids)  # (graph size, hidden)
         # prefill computes logits at each sequence's last new token only; decode at every row
         rows = self.to_device(self._logits_rows(inputs.cu_seqlens_q)) if inputs.is_prefill else None
@@ -268,9 +262,8 @@ class ModelRunner:
             token_ids = logits.argmax(-1)  # (S,) int64
         else:  # the draw decided by each row's key (kernels.sampling, through layers.OPS)
             # a seeded row's key: its seed and the position of the token it samples; others: any
-            key = [k if seq.params.seed is None else sampling_key(seq.params.seed, position)
-                   for k, seq, position in zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(),
-                                               seqs, positions)]
+            rows = zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(), params, positions)
+            key = [k if sp.seed is None else sampling_key(sp.seed, pos) for k, sp, pos in rows]
             temperatures = d(np.array([p.temperature for p in params], np.float32))  # (S,)
             token_ids = layers.OPS.sample(logits, temperatures, d(np.array(key, np.int64)))
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself

@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nanoserve"
 README = ROOT / "README.md"
 CORE_BUDGET = 1500  # code lines of the core: small enough to read in an afternoon
-TOTAL_BUDGET = 2161  # code lines of the core and its extensions
+TOTAL_BUDGET = 2161  # code lines of the core and its extensions, but for those of OWN_BUDGETS
+# extensions written to a budget of their own, each held to it and left out of TOTAL_BUDGET
+OWN_BUDGETS = {"extensions/speculative.py": 250}
 MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 250  # all lines of one module, of one class
 EXTENSIONS = "extensions"  # nanoserve/extensions/: one module per idea, on top of the core
 EXCLUDE = ["server"]  # the server (nanoserve/server/), an entrypoint on top, is counted apart
@@ -91,10 +93,14 @@ def table(exclude: list[str]) -> str:
     lines.append(f"| **core** | **{sum(r.code for r in core)}** | "
                  f"budget: {CORE_BUDGET} code lines, {sum(r.total for r in core)} lines in all |")
     lines += ["", *head]
-    lines += [f"| `{r.name}` | {r.code} | {r.summary} |" for r in extensions if r.code]
+    lines += [f"| `{r.name}` | {r.code} | {r.summary}"
+              + (f" (own budget: {OWN_BUDGETS[r.name]})" if r.name in OWN_BUDGETS else "") + " |"
+              for r in extensions if r.code]
+    own = [r for r in counted if r.name in OWN_BUDGETS]
     lines.append(f"| **core + extensions** | **{sum(r.code for r in counted)}** | "
-                 f"budget: {TOTAL_BUDGET} code lines, {sum(r.total for r in counted)} lines in "
-                 "all |")
+                 f"budget: {TOTAL_BUDGET} code lines"
+                 + "".join(f" + {OWN_BUDGETS[r.name]} ({r.name.rpartition('/')[2]})" for r in own)
+                 + f", {sum(r.total for r in counted)} lines in all |")
     for name in dict.fromkeys(r.name.partition("/")[0] for r in apart):  # a package: one row
         rows = [r for r in apart if r.name.partition("/")[0] == name]
         summary = next((r.summary for r in rows if r.name.endswith("__init__.py")), rows[0].summary)
@@ -132,7 +138,9 @@ def main() -> int:
                         help=f"count a module outside the budget (repeatable; always: {EXCLUDE})")
     args = parser.parse_args()
     exclude = EXCLUDE + args.exclude
-    total = sum(row.code for row in split_rows(exclude)[0])
+    counted = split_rows(exclude)[0]
+    total = sum(row.code for row in counted)
+    own = {row.name: row.code for row in counted if row.name in OWN_BUDGETS}
     core = sum(row.code for row in split_rows(exclude + [EXTENSIONS])[0])
     if args.write_readme:
         README.write_text(readme_with_table(README.read_text(), exclude))
@@ -142,14 +150,18 @@ def main() -> int:
     problems = size_problems()
     if core > CORE_BUDGET:
         problems.append(f"the core has {core} code lines, over its budget of {CORE_BUDGET}")
-    if total > TOTAL_BUDGET:
-        problems.append(f"the core and extensions have {total} code lines, over the budget of "
-                        f"{TOTAL_BUDGET}")
+    if total - sum(own.values()) > TOTAL_BUDGET:
+        problems.append(f"the core and extensions have {total - sum(own.values())} code lines "
+                        f"(without {sorted(own)}), over the budget of {TOTAL_BUDGET}")
+    problems += [f"{name} has {code} code lines, over its own budget of {OWN_BUDGETS[name]}"
+                 for name, code in own.items() if code > OWN_BUDGETS[name]]
     if readme_with_table(README.read_text(), exclude) != README.read_text():
         problems.append("the README's module table is stale: "
                         "run `python tools/loc.py --write-readme`")
     print("\n".join(problems) or f"ok: core {core} code lines of {CORE_BUDGET}, with extensions "
-          f"{total} of {TOTAL_BUDGET}; sizes within limits; README tables current")
+          f"{total - sum(own.values())} of {TOTAL_BUDGET}, "
+          + "".join(f"{name} {code} of {OWN_BUDGETS[name]}, " for name, code in own.items())
+          + "sizes within limits; README tables current")
     return 1 if problems else 0
 
 
