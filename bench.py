@@ -87,6 +87,7 @@ MIN_TIMED_SECONDS = 3.0    # a workload that runs shorter is timed again (W2: 0.
 MAX_TIMED_RUNS = 5         # ... up to this many runs in all; the row reports their median
 MAX_NUM_SEQS = 512         # nanoserve's default batch limit, used by the roofline schedule
 MIN_MODEL_LEN = 4096       # nanoserve's max_model_len, raised when a request needs more
+TEXT_MAX_TOKENS = 512      # edit and chat: each request's max_tokens (most stop at EOS before)
 CB_POLL_S = 1              # hf-cb: how long one wait for a finished request lasts
 CB_STALL_S = 600           # hf-cb: give up when no request finishes for this long
 CB_STOP_TIMEOUT_S = 60
@@ -108,7 +109,10 @@ class Workload:
     name: str
     description: str
     prompts: list[list[int]]
-    output_lens: list[int]
+    output_lens: list[int]  # each request's max_tokens
+    temperature: float = TEMPERATURE
+    ignore_eos: bool = True  # False: a request may stop early; tokens/s counts what it returned
+    relabel: bool = True  # repeats run with relabeled ids (random ones), else the same prompts
 
     @property
     def output_tokens(self) -> int:
@@ -141,6 +145,21 @@ def make_w2(num_seqs: int = 256, prefix_len: int = 1024, min_own: int = 32, max_
     return Workload("w2", desc, prompts, [output_len] * num_seqs)
 
 
+def make_text(name: str, texts: list[str], num_seqs: int, max_tokens: int,
+              model_dir: str) -> Workload:
+    """Chat prompts of real text (bench_prompts), cycled to num_seqs requests; greedy, each ending
+    at EOS or max_tokens: what a user of the default model asks."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+               for text in (texts * num_seqs)[:num_seqs]]
+    desc = (f"{num_seqs} chat prompts of {len(texts)} texts in bench_prompts.py, "
+            f"greedy, up to {max_tokens} output tokens, stopping at EOS")
+    return Workload(name, desc, prompts, [max_tokens] * num_seqs, temperature=0,
+                    ignore_eos=False, relabel=False)
+
+
 def warmup_workload(wl: Workload) -> Workload:
     """What each engine runs, untimed, before wl: as many random prompts of wl's length range (so
     prefill runs in the same chunks) with 1-16 output tokens (so batches shrink through the same
@@ -163,8 +182,9 @@ GPU_SIZES = Sizes(256, 1024, 1024, 100, 128)    # the workloads as defined above
 CPU_SIZES = Sizes(16, 256, 128, 32, 32)         # small enough for a few minutes on a CPU
 
 
-def build_workloads(args: argparse.Namespace, cpu: bool) -> list[Workload]:
+def build_workloads(args: argparse.Namespace, cpu: bool, model_dir: str) -> list[Workload]:
     """Full-size workloads on a GPU, small ones on a CPU; --num-seqs/--max-*-len scale both."""
+    import bench_prompts
     size = CPU_SIZES if cpu else GPU_SIZES
     n = args.num_seqs or size.num_seqs
     max_in = args.max_input_len or size.max_input_len
@@ -173,18 +193,23 @@ def build_workloads(args: argparse.Namespace, cpu: bool) -> list[Workload]:
         "w1": lambda: make_w1(n, min(size.min_len, max_in), max_in,
                               min(size.min_len, max_out), max_out),
         "w2": lambda: make_w2(n, max_in, output_len=args.max_output_len or size.w2_output_len),
+        "edit": lambda: make_text("edit", bench_prompts.EDITING, args.num_seqs or 20,
+                                  args.max_output_len or TEXT_MAX_TOKENS, model_dir),
+        "chat": lambda: make_text("chat", bench_prompts.CHAT, args.num_seqs or 20,
+                                  args.max_output_len or TEXT_MAX_TOKENS, model_dir),
     }
     return [builders[name]() for name in args.workload.split(",")]
 
 
 def resolve_model_dir(args: argparse.Namespace, cpu: bool) -> str:
-    """--model, else the random Qwen3-0.6B (GPU), the packaged default model (CPU) or --tiny."""
-    if args.model:
+    """--model (`default`: the packaged default model), else the random Qwen3-0.6B (GPU), the
+    packaged default model (CPU) or --tiny."""
+    if args.model and args.model != "default":
         return args.model
     cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
     if args.tiny:
         return build_random_qwen3(cache / "qwen3-tiny-random", QWEN3_TINY, "cpu" if cpu else "cuda")
-    if cpu:
+    if cpu or args.model == "default":
         from nanoserve.weights import default_model_dir
         return default_model_dir()
     return build_random_qwen3(cache / "qwen3-0.6b-random", QWEN3_0_6B, "cuda")
@@ -201,17 +226,18 @@ EngineFactory = Callable[[str, Workload, argparse.Namespace, str],
 def nanoserve_params(wl: Workload) -> list:
     """Each request's SamplingParams: the bench temperature, its own max_tokens, EOS ignored."""
     from nanoserve import SamplingParams
-    return [SamplingParams(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True)
+    return [SamplingParams(temperature=wl.temperature, max_tokens=n, ignore_eos=wl.ignore_eos)
             for n in wl.output_lens]
 
 
 @contextlib.contextmanager
 def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, device: str,
-                     prefix_caching: bool = True,
-                     kv_cache_dtype: str = "auto") -> Iterator[Generate]:
+                     prefix_caching: bool = True, kv_cache_dtype: str = "auto",
+                     speculative: str = "off") -> Iterator[Generate]:
     """nanoserve's LLM, given all of a workload's requests at once. The first one the bench
     starts records its first timed run for --timeline (the recording's host time is in that run;
-    the warm-up and the repeats of a short workload run without it)."""
+    the warm-up and the repeats of a short workload run without it). With speculation its
+    acceptance over all runs is logged at the end."""
     from nanoserve import LLM
     from nanoserve.extensions.timeline import Timeline
     timeline_path = vars(args).pop("timeline", None)  # taken: later nanoserve runs record nothing
@@ -219,7 +245,9 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
     recorded: list[Timeline] = []
     with LLM(model_dir, enforce_eager=args.eager, enable_prefix_caching=prefix_caching,
              tensor_parallel_size=args.tp, max_model_len=max(MIN_MODEL_LEN, max_len),
-             device=device, kv_cache_dtype=kv_cache_dtype) as llm:
+             device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+             dtype=args.dtype, speculative_method=None if speculative == "off" else speculative,
+             num_speculative_tokens=args.num_speculative_tokens) as llm:
         def generate(w: Workload) -> list[int]:
             if timeline_path and w is wl:  # the first timed run (repeats are relabeled copies)
                 llm.observers.append(Timeline(llm.config, llm.scheduler))
@@ -228,6 +256,10 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
                 recorded.append(llm.observers.pop())
             return [len(o["token_ids"]) for o in outs]
         yield generate
+        if (stats := getattr(llm.loop, "stats", None)) is not None:
+            log(f"   speculation (warm-up included): {stats.num_draft_tokens:,} tokens drafted, "
+                f"{stats.num_accepted_tokens:,} accepted, {stats.mean_accepted_length:.2f} tokens "
+                "per sequence-step with drafts")
     if recorded:  # drawn after the timing
         recorded[0].plot(timeline_path)
         log(f"wrote {timeline_path}")
@@ -359,21 +391,23 @@ ENGINES: dict[str, EngineFactory] = {"nanoserve": nanoserve_engine, "hf-cb": hf_
                                      "hf": hf_engine}
 
 
-def engines_for(wl: Workload, names: list[str],
-                kv_dtypes: tuple[str, ...] = ("auto",)) -> list[tuple[str, EngineFactory]]:
-    """The engines to run on wl; nanoserve once per KV cache dtype (named nanoserve-fp8 with fp8),
-    and on w2 each twice, prefix caching on and off (-nocache)."""
+def engines_for(wl: Workload, names: list[str], kv_dtypes: tuple[str, ...] = ("auto",),
+                speculative: tuple[str, ...] = ("off",)) -> list[tuple[str, EngineFactory]]:
+    """The engines to run on wl; nanoserve once per KV cache dtype (named nanoserve-fp8 with fp8)
+    and speculative method (-ngram), and on w2 each twice, prefix caching on and off (-nocache)."""
     runners = []
     for name in names:
         if name != "nanoserve":
             runners.append((name, ENGINES[name]))
             continue
-        for kv in kv_dtypes:
-            kv_name = name if kv == "auto" else f"{name}-{kv}"
-            runners.append((kv_name, partial(nanoserve_engine, kv_cache_dtype=kv)))
+        for kv, spec in [(kv, spec) for kv in kv_dtypes for spec in speculative]:
+            run_name = name + ("" if kv == "auto" else f"-{kv}") + ("" if spec == "off" else
+                                                                     f"-{spec}")
+            runners.append((run_name, partial(nanoserve_engine, kv_cache_dtype=kv,
+                                              speculative=spec)))
             if wl.name == "w2":
-                runners.append((f"{kv_name}-nocache",
-                                partial(nanoserve_engine, prefix_caching=False, kv_cache_dtype=kv)))
+                runners.append((f"{run_name}-nocache", partial(
+                    nanoserve_engine, prefix_caching=False, kv_cache_dtype=kv, speculative=spec)))
     return runners
 
 
@@ -403,6 +437,8 @@ def relabeled(wl: Workload, seed: int) -> Workload:
     """wl with every token id mapped through a random permutation of the ids: the same lengths and
     the same shared prefixes, but prompts the prefix cache has not seen (wl again would be served
     from it)."""
+    if not wl.relabel:
+        return wl  # real text: its repeats are the same prompts (served by the prefix cache)
     ids = list(range(TOKEN_ID_MAX + 1))
     random.Random(seed).shuffle(ids)
     return Workload(wl.name, wl.description, [[ids[t] for t in p] for p in wl.prompts],
@@ -444,7 +480,10 @@ def run_engine(name: str, factory: EngineFactory, model_dir: str, wl: Workload,
         with gpu_monitor(device) as samples:
             row.runs, lengths = time_engine(factory(model_dir, wl, args, device), wl, device)
         row.seconds = statistics.median(row.runs)
-        row.note = short_tokens(lengths, wl.output_lens)
+        if wl.ignore_eos:
+            row.note = short_tokens(lengths, wl.output_lens)
+        else:  # requests that stop at EOS: what they returned
+            row.output_tokens = sum(lengths)
         row.gpu_during = summarize_gpu(samples)
         row.tokens_per_s = row.output_tokens / row.seconds
         runs = (f" (median of {len(row.runs)} runs: {', '.join(f'{t:.2f}' for t in row.runs)} s)"
@@ -514,8 +553,9 @@ def decode_bound_seconds(prompt_lens: list[int], output_lens: list[int], weight_
 
 def roofline_tokens_per_s(wl: Workload, w_bytes: int, kv_bytes: int,
                           bandwidth: float | None) -> float | None:
-    """The bound as throughput: wl's output tokens over decode_bound_seconds; None on a CPU."""
-    if not bandwidth:
+    """The bound as throughput: wl's output tokens over decode_bound_seconds; None on a CPU, and
+    for requests that stop at EOS (their lengths are not known before)."""
+    if not bandwidth or not wl.ignore_eos:
         return None
     prompt_lens = [len(p) for p in wl.prompts]
     seconds = decode_bound_seconds(prompt_lens, wl.output_lens, w_bytes, kv_bytes, bandwidth)
@@ -678,15 +718,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", default="nanoserve,hf-cb,hf",
                    help="comma list of nanoserve, hf-cb, hf")
-    p.add_argument("--workload", default="w1,w2", help="comma list of w1, w2")
-    p.add_argument("--num-seqs", type=int, help="requests per workload (256; CPU 16)")
+    p.add_argument("--workload", default="w1,w2", help="comma list of w1, w2, edit, chat")
+    p.add_argument("--num-seqs", type=int,
+                   help="requests per workload (256; CPU 16; edit and chat: 20)")
     p.add_argument("--max-input-len", type=int,
                    help="w1 prompt max, w2 prefix length (1024; CPU 256)")
     p.add_argument("--max-output-len", type=int,
-                   help="w1 output max (1024; CPU 128), w2 output (128; CPU 32)")
+                   help=f"w1 output max (1024; CPU 128), w2 output (128; CPU 32), edit and chat "
+                        f"max_tokens ({TEXT_MAX_TOKENS})")
+    p.add_argument("--speculative", default="off",
+                   help="comma list of off, ngram: nanoserve runs once with each")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="nanoserve's num_speculative_tokens with --speculative ngram")
+    p.add_argument("--max-num-seqs", type=int, default=512,
+                   help="nanoserve's max_num_seqs: 1 runs the requests one at a time")
+    p.add_argument("--dtype", default="auto", help="nanoserve's dtype (auto, bfloat16, ...)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
     p.add_argument("--model",
-                   help="HF-layout model dir (default: random Qwen3-0.6B; CPU: packaged SmolLM2)")
+                   help="HF-layout model dir, or `default` for the packaged SmolLM2 (default: "
+                        "random Qwen3-0.6B; CPU: the packaged SmolLM2)")
     p.add_argument("--cpu", action="store_true", help="CPU mode (automatic without CUDA)")
     p.add_argument("--eager", action="store_true", help="nanoserve without CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="nanoserve tensor-parallel size")
@@ -715,12 +765,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_names(args: argparse.Namespace) -> list[str]:
     """The engines asked for; unknown engine or workload names stop the run before it starts."""
     engines = args.engines.split(",")
-    unknown = ((set(engines) - set(ENGINES)) | (set(args.workload.split(",")) - {"w1", "w2"})
-               | (set(args.kv_cache_dtype.split(",")) - {"auto", "fp8"}))
+    unknown = ((set(engines) - set(ENGINES))
+               | (set(args.workload.split(",")) - {"w1", "w2", "edit", "chat"})
+               | (set(args.kv_cache_dtype.split(",")) - {"auto", "fp8"})
+               | (set(args.speculative.split(",")) - {"off", "ngram"}))
     if unknown:
-        raise SystemExit(f"unknown engine, workload or KV cache dtype {sorted(unknown)}: use "
-                         "--engines nanoserve,hf-cb,hf, --workload w1,w2 and --kv-cache-dtype "
-                         "auto,fp8")
+        raise SystemExit(f"unknown engine, workload, KV cache dtype or speculative method "
+                         f"{sorted(unknown)}: use --engines nanoserve,hf-cb,hf, --workload "
+                         "w1,w2,edit,chat, --kv-cache-dtype auto,fp8 and --speculative off,ngram")
     return engines
 
 
@@ -762,7 +814,8 @@ def run_workload(wl: Workload, engines: list[str], model_dir: str, meta: dict,
         + ", ".join(f"{fmt(b, ',.0f')} tokens/s ({kv} KV cache)" for kv, b in bounds.items()))
     device = "cuda" if meta["hardware"].get("gpu") else "cpu"   # a GPU is named only when used
     rows: list[Row] = []
-    for name, factory in engines_for(wl, engines, kv_dtypes):
+    speculative = tuple(args.speculative.split(","))
+    for name, factory in engines_for(wl, engines, kv_dtypes, speculative):
         rows.append(run_engine(name, factory, model_dir, wl, args, device))
         fill_ratios(rows, bounds)
         if args.json:
@@ -782,7 +835,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("nanoserve").setLevel(logging.INFO)
     meta, model_dir = describe_run(args, cpu)
     rows: list[Row] = []
-    for wl in build_workloads(args, cpu):
+    for wl in build_workloads(args, cpu, model_dir):
         rows += run_workload(wl, engines, model_dir, meta, args, rows)
     print_table(rows)
     if args.json:

@@ -73,12 +73,12 @@ def record_logprobs(llm: LLM, prompt_list: list[list[int]], **engine_params) -> 
     steps: dict[int, list[torch.Tensor]] = {}
     sample = runner.sample
 
-    def spy(logits, seqs):
+    def spy(logits, seqs, positions):
         assert logits.shape[0] == len(seqs)  # the LM head's padding rows (_logits_rows) are cut off
         lp = logits.float().log_softmax(-1).cpu()
         for row, seq in zip(lp, seqs):
             steps.setdefault(seq.seq_id, []).append(row)
-        return sample(logits, seqs)
+        return sample(logits, seqs, positions)
 
     runner.sample = spy
     try:
@@ -282,3 +282,30 @@ def test_tp2_matches_tp1_on_qwen3_0_6b_shapes(tmp_path, dtype, kv_cache_dtype):
           f"sequences token-identical over {MAX_TOKENS} tokens")
     if dtype == "float32":
         assert results[2][0] == results[1][0]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_speculative_decoding_keeps_the_greedy_tokens(model_dir, kv_cache_dtype):
+    """Prompts that repeat themselves (drafts proposed and accepted) and random ones, speculation
+    on (decode graphs replayed with up to k + 1 rows a sequence) and off: the same greedy tokens,
+    but where the two differ at a near-tie (each choice within SAME_ENGINE_TOL of the other)."""
+    g = torch.Generator().manual_seed(1)
+    loops = [torch.randint(2, VOCAB, (n,), generator=g).tolist() * 4 for n in (3, 8, 20, 50)]
+    prompt_list = loops + prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
+    outs = {}
+    for spec in ("ngram", None):
+        with LLM(model_dir, speculative_method=spec, kv_cache_dtype=kv_cache_dtype,
+                 max_model_len=1024, max_num_seqs=64) as llm:
+            outs[spec] = llm.generate(prompt_list, params, use_tqdm=False)
+            if spec:
+                stats, graphs = llm.loop.stats, llm.model_runner.graphs
+    assert graphs is not None and stats.num_accepted_tokens > 0
+    for on, off in zip(outs["ngram"], outs[None]):
+        i = next((i for i, (a, b) in enumerate(zip(on["token_ids"], off["token_ids"])) if a != b),
+                 None)
+        if i is not None:  # a near-tie in both engines' logprobs
+            a, b = on["token_ids"][i], off["token_ids"][i]
+            lp_on, lp_off = on["logprobs"][i], off["logprobs"][i]
+            assert b in lp_on and a in lp_off, (i, lp_on, lp_off)
+            assert lp_on[a] - lp_on[b] < SAME_ENGINE_TOL and lp_off[b] - lp_off[a] < SAME_ENGINE_TOL

@@ -418,6 +418,33 @@ def test_metrics(server):
     assert m["nanoserve_prefix_cache_hit_tokens_total"] > 0  # the chat prompt fills 2 blocks
 
 
+def test_speculative_decoding_through_the_server(server):
+    """A server with speculation on: the same greedy text as the module's (speculation off), the
+    drafts in the usage (OpenAI's prediction-token fields) and in /metrics."""
+    messages = [{"role": "user", "content": "Repeat the following paragraph exactly:\n\nThe "
+                 "library opens at nine in the morning and closes at six in the evening."}]
+    params = dict(model=MODEL, temperature=0, max_tokens=40, messages=messages)
+    plain = server.client().chat.completions.create(**params)
+    spec = start_server("--speculative-method", "ngram", "--num-speculative-tokens", "4")
+    try:
+        out = spec.client().chat.completions.create(**params)
+        chunks = list(spec.client().chat.completions.create(
+            **params, stream=True, stream_options={"include_usage": True}))
+        m = spec.metrics()
+    finally:
+        stop_server(spec)
+    assert out.choices[0].message.content == plain.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        plain.choices[0].message.content
+    for usage in (out.usage, chunks[-1].usage):
+        details = usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    assert m["nanoserve_spec_decode_num_accepted_tokens_total"] >= \
+        2 * out.usage.completion_tokens_details.accepted_prediction_tokens
+    assert m["nanoserve_spec_decode_num_draft_tokens_total"] >= \
+        m["nanoserve_spec_decode_num_accepted_tokens_total"] > 0
+
+
 # ---- shutdown (last: it stops the module's server) -------------------------------------------
 def shm_files(pid: int) -> set[str]:
     """/dev/shm files that a process or its children have mapped or open."""

@@ -56,6 +56,17 @@ def test_tp2_matches_tp1_on_tiny_qwen3(tiny_qwen3):
         assert greedy_ids(llm) == expected
 
 
+def test_tp2_with_speculative_decoding_matches_tp1(tiny_qwen3):
+    """Drafts verified on two ranks: each runs the k + 1 rows a sequence, rank 0 samples them."""
+    prompts = PROMPTS + [[3, 4, 5, 6] * 8]  # a loop: the lookup proposes
+    with LLM(tiny_qwen3, max_model_len=256) as llm:
+        expected = greedy_ids(llm, prompts)
+    with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2,
+             speculative_method="ngram", prompt_lookup_min=1) as llm:
+        assert greedy_ids(llm, prompts) == expected
+        assert llm.loop.stats.num_accepted_tokens > 0
+
+
 def test_tp2_fp8_kv_cache_matches_tp1(tiny_qwen3):
     """An fp8 cache under tensor parallelism: each rank holds its KV heads in e4m3, and the
     logprobs are one rank's, where the full-precision cache's differ. The ranks sum in another

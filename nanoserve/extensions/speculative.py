@@ -63,6 +63,11 @@ class SpecStats:
         """Tokens a sequence-step with drafts emits, on average: 1 + accepted drafts."""
         return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)
 
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += num_draft_tokens > 0
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
 
 class SpeculativeLoop:
     def __init__(self, engine: LLMEngine) -> None:
@@ -71,8 +76,10 @@ class SpeculativeLoop:
             raise ValueError(f"prompt_lookup_min={cfg.prompt_lookup_min} exceeds prompt_lookup_max"
                              f"={cfg.prompt_lookup_max}: the lookup's n-gram sizes are a range")
         self.engine, self.scheduler, self.runner = engine, engine.scheduler, engine.model_runner
-        self.k, self.stats = cfg.num_speculative_tokens, SpecStats()
+        self.k, self.stats, self.last_step = cfg.num_speculative_tokens, SpecStats(), SpecStats()
+        # per sequence, as long as it lives: its lookup index and its own counts
         self.indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+        self.requests: weakref.WeakKeyDictionary[Sequence, SpecStats] = weakref.WeakKeyDictionary()
         self.max_rows = self.runner.max_graph_batch or cfg.max_num_seqs * (1 + self.k)
 
     def step(self) -> tuple[list[Sequence], Batch]:
@@ -140,16 +147,15 @@ class SpeculativeLoop:
         """Keep each sequence's drafts up to the first its rows did not sample, then record the
         emitted tokens in rounds: round j records the (j+1)-th token of every sequence that
         emits one, as a plain decode step would. Returns the sequences that finished."""
-        emitted, row = [], 0  # per sequence: the rows whose samples it keeps
+        emitted, row, self.last_step = [], 0, SpecStats()  # emitted: the rows each sequence keeps
         for seq in batch.seqs:
             draft = drafts.get(seq, [])
             num_accepted = next((j for j, t in enumerate(draft) if token_ids[row + j] != t),
                                 len(draft))
             emitted.append(range(row, row + num_accepted + 1))
             row += 1 + len(draft)
-            self.stats.num_drafts += bool(draft)
-            self.stats.num_draft_tokens += len(draft)
-            self.stats.num_accepted_tokens += num_accepted
+            for stats in (self.stats, self.last_step, self.requests.setdefault(seq, SpecStats())):
+                stats.add(len(draft), num_accepted)
         self.drop_drafts(list(drafts), drafts)  # each token is appended again as it is recorded
         finished, stop = [], self.engine.extensions.get("stop_strings")
         for j in range(max(map(len, emitted))):
@@ -167,6 +173,14 @@ class SpeculativeLoop:
             if not seq.is_finished:
                 bm.free(seq, keep=cdiv(seq.num_tokens, bm.block_size))
         return finished
+
+    @property
+    def progress(self) -> str:
+        """Acceptance for the progress bar and the trace: the last step's, and since start-up the
+        mean tokens a sequence-step with drafts emits."""
+        last = self.last_step
+        return (f", drafts {last.num_accepted_tokens}/{last.num_draft_tokens} accepted, "
+                f"{self.stats.mean_accepted_length:.2f} tokens/draft step")
 
     def finish(self) -> None:
         """Nothing is in flight between steps."""

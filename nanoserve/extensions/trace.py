@@ -41,7 +41,7 @@ def show_trace() -> None:
 
 class Trace(StepObserver):
     def __init__(self, engine: LLMEngine) -> None:
-        self.scheduler = engine.scheduler
+        self.scheduler, self.engine = engine.scheduler, engine
         self.last, self.last_time = scheduler_stats(self.scheduler), time.perf_counter()
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
@@ -52,7 +52,8 @@ class Trace(StepObserver):
                     f"tokens={sum(batch.num_new_tokens):<5d} {(now - self.last_time) * 1e3:6.1f} ms"
                     f" | blocks: +{d.num_allocated} allocated -{d.num_freed} freed {d.num_hits} "
                     f"hit | preempted={d.num_preemptions} finished={len(finished)} "
-                    f"free={stats.num_free_blocks}/{stats.num_blocks}")
+                    f"free={stats.num_free_blocks}/{stats.num_blocks}"  # and the loop's figures:
+                    + ("" if batch.is_prefill else getattr(self.engine.loop, "progress", "")))
         self.last, self.last_time = stats, now
         return []
 

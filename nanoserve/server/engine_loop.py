@@ -45,6 +45,13 @@ class Request:
 
 
 @dataclass
+class FinalOutput(RequestOutput):
+    """A request's last output, with what speculative decoding drafted and accepted for it."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
 class Abort:
     request: Request
 
@@ -155,6 +162,14 @@ class EngineLoop:
         for request in list(self.requests.values()):
             self._abort(request)
 
+    def _final(self, out: RequestOutput, request: Request) -> RequestOutput:
+        """A request's last output, with speculative decoding's counts for it when it ran."""
+        spec = self.engine.extensions.get("speculative")
+        if spec is None or (counts := spec.requests.get(request.seq)) is None:
+            return out
+        return FinalOutput(**vars(out), num_draft_tokens=counts.num_draft_tokens,
+                           num_accepted_tokens=counts.num_accepted_tokens)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their handlers: at most about events_per_step requests'
         worth per step, each request in turn (first and last outputs at once)."""
@@ -169,7 +184,7 @@ class EngineLoop:
             first = request.last_token is None
             self.metrics.observe_output(out, now - (request.last_token or request.arrival), first)
             request.last_token = now
-            request.pending.append(out)
+            request.pending.append(self._final(out, request) if out.finish_reason else out)
             if out.finish_reason is not None:
                 del self.requests[out.request_id]
                 self.metrics.observe_finish(out.finish_reason, now - request.arrival)

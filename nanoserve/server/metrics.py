@@ -14,6 +14,9 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 STEP_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SPEC_COUNTERS = {"num_drafts": "Sequence-steps that proposed draft tokens (speculative decoding)",
+                 "num_draft_tokens": "Draft tokens proposed",
+                 "num_accepted_tokens": "Draft tokens accepted"}
 
 
 class Metrics:
@@ -43,6 +46,9 @@ class Metrics:
                              registry=r)
         self.e2e = Histogram("nanoserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=E2E_BUCKETS_S, registry=r)
+        self.spec = {name: Counter(f"nanoserve_spec_decode_{name}", help, registry=r)
+                     for name, help in SPEC_COUNTERS.items()}
+        self.spec_seen = dict.fromkeys(SPEC_COUNTERS, 0)  # the engine's totals at the last look
         self.step_size = Histogram("nanoserve_iteration_num_requests",
                                    "Requests that advanced in one engine step (the batch)",
                                    buckets=STEP_SIZE_BUCKETS, registry=r)
@@ -53,6 +59,10 @@ class Metrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(1 - stats.num_free_blocks / max(stats.num_blocks, 1))
+        if (spec := getattr(engine.loop, "stats", None)) is not None:  # speculative decoding's
+            for name, counter in self.spec.items():  # running totals: add what is new
+                counter.inc(getattr(spec, name) - self.spec_seen[name])
+                self.spec_seen[name] = getattr(spec, name)
 
     def observe_output(self, out: RequestOutput, seconds: float, first: bool) -> None:
         """One request's output of a step: seconds since its arrival (first) or last output."""

@@ -155,6 +155,8 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_draft_tokens: int | None = None  # with speculative decoding, on the last output
+    num_accepted_tokens: int | None = None
 
     def add(self, out: "RequestOutput | Delta") -> None:
         """Append one engine RequestOutput; the counts are running totals, so the last wins."""
@@ -165,12 +167,22 @@ class Delta:
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens = (
             out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+        if getattr(out, "num_draft_tokens", None) is not None:
+            self.num_draft_tokens, self.num_accepted_tokens = (out.num_draft_tokens,
+                                                               out.num_accepted_tokens)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.num_prompt_tokens,
-                "completion_tokens": self.num_output_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        """OpenAI's usage; with speculative decoding also its draft tokens, in the fields OpenAI
+        gives a prediction's tokens (accepted_prediction_tokens, rejected_prediction_tokens)."""
+        usage = {"prompt_tokens": self.num_prompt_tokens,
+                 "completion_tokens": self.num_output_tokens,
+                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        if self.num_draft_tokens is not None:
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.num_accepted_tokens,
+                "rejected_prediction_tokens": self.num_draft_tokens - self.num_accepted_tokens}
+        return usage
 
 
 class ResponseHead:
