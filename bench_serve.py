@@ -100,24 +100,27 @@ class Server:
     url: str
     model: str  # the `model` field of a request
 
-    def body(self, prompt: list[int], max_tokens: int) -> dict:
-        """A streaming /v1/completions request for exactly max_tokens tokens."""
-        body = {"model": self.model, "max_tokens": max_tokens, "temperature": bench.TEMPERATURE,
+    def body(self, prompt: list[int], max_tokens: int, wl: bench.Workload) -> dict:
+        """A streaming /v1/completions request for max_tokens tokens (exactly, where the
+        workload ignores EOS), at the workload's temperature."""
+        body = {"model": self.model, "max_tokens": max_tokens, "temperature": wl.temperature,
                 "stream": True}
         if self.name == "transformers":  # string prompts only; refuses unknown fields (422)
             return body | {"prompt": " ".join(f"<{i}>" for i in prompt)}
-        return body | {"prompt": prompt, "ignore_eos": True,
-                       "stream_options": {"include_usage": True}}
+        # usage in every chunk: a chunk may carry several tokens (speculative decoding)
+        return body | {"prompt": prompt, "ignore_eos": wl.ignore_eos,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 async def send(session: aiohttp.ClientSession, server: Server, prompt: list[int],
-               max_tokens: int) -> RequestResult:
-    """One streamed request, timed chunk by chunk."""
-    result, chunks = RequestResult(prompt_len=len(prompt)), 0
+               max_tokens: int, wl: bench.Workload) -> RequestResult:
+    """One streamed request, timed chunk by chunk. A chunk of n tokens (the usage in every chunk
+    tells, where the server gives it) spreads its gap over n inter-token latencies."""
+    result, chunks, tokens = RequestResult(prompt_len=len(prompt)), 0, 0
     start = last = time.perf_counter()
     try:
         async with session.post(f"{server.url}/v1/completions",
-                                json=server.body(prompt, max_tokens)) as resp:
+                                json=server.body(prompt, max_tokens, wl)) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
@@ -131,11 +134,12 @@ async def send(session: aiohttp.ClientSession, server: Server, prompt: list[int]
                 if not (choice.get("text") or (choice.get("delta") or {}).get("content")):
                     continue
                 now = time.perf_counter()
+                new = max(1, result.output_tokens - tokens) if chunk.get("usage") else 1
                 if chunks == 0:
                     result.ttft = now - start
                 else:
-                    result.itl.append(now - last)
-                chunks, last = chunks + 1, now
+                    result.itl += [(now - last) / new] * new
+                chunks, last, tokens = chunks + 1, now, tokens + new
         result.e2e = last - start
         # without usage (transformers serve), count chunks: it sends one token per chunk
         result.output_tokens = result.output_tokens or chunks
@@ -162,7 +166,7 @@ async def run_load(server: Server, wl: bench.Workload, rate: float, max_concurre
 
     async def limited(session: aiohttp.ClientSession, prompt: list[int], n: int) -> RequestResult:
         async with limit:
-            return await send(session, server, prompt, n)
+            return await send(session, server, prompt, n, wl)
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         tasks, start = [], time.perf_counter()
@@ -279,7 +283,15 @@ class Run:
 
 
 def workloads(args: argparse.Namespace) -> tuple[bench.Workload, bench.Workload]:
-    """The main workload, and the (smaller) one the finite Poisson rates run."""
+    """The main workload, and the (smaller) one the finite Poisson rates run: random prompts, or
+    bench.py's edit or chat prompts (real text, greedy, ending at EOS) for both."""
+    if args.workload != "random":
+        import bench_prompts
+        texts = bench_prompts.EDITING if args.workload == "edit" else bench_prompts.CHAT
+        from nanoserve.weights import default_model_dir  # its tokenizer: the chat template
+        main = bench.make_text(args.workload, texts, args.num_prompts, args.max_output_len,
+                               getattr(args, "model_dir", None) or default_model_dir())
+        return main, main
     main = bench.make_w1(args.num_prompts, args.min_input_len, args.max_input_len,
                          args.min_output_len, args.max_output_len, args.seed)
     rated = bench.make_w1(args.rate_prompts or args.num_prompts, args.min_input_len,
@@ -311,7 +323,8 @@ def run_one(server: Server, run: Run, seed: int) -> dict:
                                             seed))
     summary = summarize(results, seconds)
     report(run.label, summary)
-    short = sum(r.ok and r.output_tokens != n for r, n in zip(results, run.workload.output_lens))
+    short = run.workload.ignore_eos and sum(
+        r.ok and r.output_tokens != n for r, n in zip(results, run.workload.output_lens))
     if short:
         log(f"   {short} requests returned another token count than asked")
     return {"server": server.name, "label": run.label, "workload": run.workload.description,
@@ -414,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model directory (default: the packaged SmolLM2)")
     p.add_argument("--random-model", choices=["qwen3-0.6b", "tiny"],
                    help="build a random-weight Qwen3 (bench.py's shapes) and serve it")
+    p.add_argument("--workload", default="random", choices=["random", "edit", "chat"],
+                   help="random token ids (--*-len), or bench.py's edit or chat prompts (real "
+                        "text, the default model's chat template; --max-output-len: max_tokens)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-input-len", type=int, default=100)
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -486,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.url:  # a server someone else started
         run_against_url(args, rows)
         return
-    model_dir = resolve_model(args, device)
+    model_dir = args.model_dir = resolve_model(args, device)
     meta = {"command": "python " + " ".join(sys.argv), "model": model_dir,
             "hardware": in_subprocess(hardware_info, device == "cpu"),
             "temperature": bench.TEMPERATURE}

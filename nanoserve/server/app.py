@@ -29,6 +29,7 @@ from nanoserve.server.protocol import (
     Delta,
     OpenAIError,
     ResponseHead,
+    StreamOptions,
     chat_logprobs,
     completion_logprobs,
 )
@@ -247,24 +248,26 @@ class ChatCompletion(Completion):
 async def respond(shape: Completion, stream: RequestStream,
                   body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
     if body.stream:
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(sse(shape, stream, usage), media_type="text/event-stream")
+        options = body.stream_options or StreamOptions()
+        return StreamingResponse(sse(shape, stream, options), media_type="text/event-stream")
     total = await until_disconnect(gather(stream), request)
     if total is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(shape.head.wrap([shape.choice(total, chunk=False)], total.usage()))
 
 
-async def sse(shape: Completion, stream: RequestStream, usage: bool) -> AsyncIterator[str]:
+async def sse(shape: Completion, stream: RequestStream,
+              options: StreamOptions) -> AsyncIterator[str]:
     """Server-sent events: one `data:` line per delta. A client that leaves cancels this
     generator (Starlette watches the socket), and leaving RequestStream aborts the request."""
     if (first := shape.first_chunk()) is not None:
         yield event(first)
     last = Delta()
-    async for delta in stream:
-        yield event(shape.head.wrap([shape.choice(delta, chunk=True)], chunk=True))
+    async for delta in stream:  # its counts are the request's so far
+        usage = delta.usage() if options.continuous_usage_stats else None
+        yield event(shape.head.wrap([shape.choice(delta, chunk=True)], usage, chunk=True))
         last = delta
-    if usage:
+    if options.include_usage:
         yield event(shape.head.wrap([], last.usage(), chunk=True))
     yield "data: [DONE]\n\n"
 

@@ -50,6 +50,7 @@ def field_at_fault(message: str) -> str | None:
 # ---- requests ----------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk as well
 
 
 class SamplingRequest(BaseModel):
