@@ -87,9 +87,11 @@ class ModelRunner:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=rank,
                                     world_size=config.tensor_parallel_size, timeout=DIST_TIMEOUT,
                                     init_method=f"tcp://127.0.0.1:{port or workers.port}")
-        # decode batches up to this size replay a graph: the captured size >= max_num_seqs
+        # decode batches up to this many rows (a row per new token: with speculation a sequence's
+        # drafts take one each) replay a graph, of the captured size at or above it
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        self.max_graph_batch = graph_batch_size(config.max_num_seqs) if use_graphs else 0
+        k = config.num_speculative_tokens if config.speculative_method else 0
+        self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
         triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
         layers.OPS = extension("fused").ops() if config.fused_kernels and triton else layers.Ops()
         # rng: the sampler's keys for unseeded rows

@@ -13,6 +13,7 @@ from test_e2e import GREEDY, QUESTIONS, hf_model, hf_outputs, model_dir, prompts
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import cdiv
+from nanoserve.extensions import speculative
 from nanoserve.extensions.speculative import NgramIndex
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,8 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match():
 
 def test_greedy_matches_transformers_with_speculation(model_dir, prompts, hf_outputs):  # noqa: F811
     with LLM(model_dir, **SPEC) as llm:
-        assert llm.loop is llm.extensions["speculative"]  # overlap is off
+        assert llm.loop is llm.extensions["speculative"]
+        assert llm.loop.fallback is llm.extensions["overlap"]  # it runs the steps without drafts
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.loop.stats
     assert token_ids(outs) == hf_outputs
@@ -72,6 +74,20 @@ def test_editing_prompts_accept_drafts_and_keep_their_tokens(model_dir, editing)
     assert on == off
     assert stats.mean_accepted_length > 2  # more than two tokens a step where drafts were made
     assert llm.config.num_speculative_tokens == 4
+
+
+def test_a_large_batch_that_proposes_nothing_runs_overlapped(model_dir, prompts, hf_outputs,  # noqa: F811
+                                                             monkeypatch):
+    """Past SMALL_BATCH sequences, a decode without drafts hands PROBE_EVERY steps to the overlap
+    loop; the tokens do not change."""
+    monkeypatch.setattr(speculative, "SMALL_BATCH", 1)
+    with LLM(model_dir, **SPEC) as llm:
+        fallback, calls = llm.loop.fallback, []
+        step = fallback.step
+        fallback.step = lambda: calls.append(fallback.ahead) or step()
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == hf_outputs
+    assert len(calls) > 10 and any(ahead is not None for ahead in calls)  # overlapped steps
 
 
 def near_ties(a: list[list[int]], b: list[list[int]]) -> int:

@@ -84,11 +84,12 @@ class OverlapLoop:
         # a sequence that finished a step ago (EOS seen late) gets no token: postprocess skips it
         return self.postprocess(batch, out, out.tolist())
 
-    def finish(self) -> None:
-        """Postprocess the step in flight (launched for sequences that turned out finished)."""
+    def finish(self) -> tuple[list[Sequence], Batch] | None:
+        """Postprocess the step in flight (launched for sequences that turned out finished, or
+        before a step of another loop's); return it as step() does."""
         if self.ahead is not None:
             (batch, out), self.ahead = self.ahead, None
-            self._postprocess(batch, out)
+            return self._postprocess(batch, out), batch
 
     def cancel(self, batch: Batch | None = None) -> None:
         """Forget a step that will never be postprocessed (by default the one in flight)."""

@@ -12,7 +12,9 @@ blocks go back. Greedy and seeded requests get the tokens they get without specu
 ones keep the model's distribution (each token is the plain sampler's draw given those before).
 Each accepted token is recorded as a step of its own would record it (EOS, stop tokens,
 max_tokens, logprobs, the prefix cache's hashes), so only accepted tokens enter the cache's index.
-Attaches at the core's step loop (LLMEngine.loop); overlap scheduling is off with it.
+Attaches at the core's step loop (LLMEngine.loop). Overlap scheduling composes with it as its
+fallback: a step's drafts need the tokens of the step before, so a step with drafts is never
+overlapped, but a large batch that proposes nothing hands its steps to the overlap loop.
 """
 import logging
 import weakref
@@ -27,28 +29,36 @@ from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 logger = logging.getLogger("nanoserve")
+MAX_CANDIDATES = 8  # earlier occurrences of its last n_min tokens a lookup compares, latest first
+# With overlap scheduling, a decode of more than SMALL_BATCH sequences that proposed nothing hands
+# the next PROBE_EVERY steps to the overlap loop: a large batch that gains nothing keeps its pace
+SMALL_BATCH, PROBE_EVERY = 16, 16
 
 
 class NgramIndex:
-    """Where each n-gram of a sequence's tokens (n_min <= n <= n_max) last ended, kept up to date
-    as its tokens grow: a proposal costs O(new tokens), not O(sequence)."""
+    """Where each n_min-gram of a sequence's tokens ended, kept up to date as its tokens grow: a
+    proposal costs O(new tokens + MAX_CANDIDATES n_max), not O(sequence)."""
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token
-        self.num_indexed = 0  # the n-grams ending before this index are in `ends`
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n_min-gram -> indexes of its last token
+        self.num_indexed = n_min - 1  # the n_min-grams ending before this index are in `ends`
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier match of the longest suffix of tokens
-        (n_min..n_max tokens long) that occurred before; [] when none did."""
+        """Up to k tokens that followed the earlier occurrence of tokens' longest suffix (n_min to
+        n_max tokens; of equal ones the latest) among the last MAX_CANDIDATES occurrences of its
+        last n_min tokens; [] when they never occurred before."""
+        n_min, best, best_len = self.n_min, None, 0
         for end in range(self.num_indexed, len(tokens) - 1):  # the last token ends no earlier one
-            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                self.ends[tuple(tokens[end + 1 - n:end + 1])] = end
+            self.ends.setdefault(tuple(tokens[end + 1 - n_min:end + 1]), []).append(end)
         self.num_indexed = max(self.num_indexed, len(tokens) - 1)
-        for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
-            if (end := self.ends.get(tuple(tokens[-n:]))) is not None:
-                return tokens[end + 1:end + 1 + k]
-        return []
+        for end in reversed(self.ends.get(tuple(tokens[-n_min:]), [])[-MAX_CANDIDATES:]):
+            n = n_min  # how far back the match goes, up to n_max
+            while n < self.n_max and end - n >= 0 and tokens[end - n] == tokens[-1 - n]:
+                n += 1
+            if n > best_len:
+                best, best_len = end, n
+        return [] if best is None else tokens[best + 1:best + 1 + k]
 
 
 @dataclass
@@ -81,9 +91,18 @@ class SpeculativeLoop:
         self.indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
         self.requests: weakref.WeakKeyDictionary[Sequence, SpecStats] = weakref.WeakKeyDictionary()
         self.max_rows = self.runner.max_graph_batch or cfg.max_num_seqs * (1 + self.k)
+        self.fallback = engine.loop  # overlap's loop (None: off): it runs the steps without drafts
+        self.probe = 0  # steps left to the fallback before the next try at drafting
 
     def step(self) -> tuple[list[Sequence], Batch]:
-        """A prefill as the plain loop runs it, or a decode step with every sequence's drafts."""
+        """A prefill as the plain loop runs it, or a decode step with every sequence's drafts;
+        or the fallback's step (see PROBE_EVERY)."""
+        if self.fallback is not None:
+            if self.probe > 0 and len(self.scheduler.running) > SMALL_BATCH:
+                self.probe -= 1
+                return self.fallback.step()
+            if self.fallback.ahead is not None:  # its step in flight is postprocessed first
+                return self.fallback.finish()
         batch, drafts = self.scheduler.schedule_prefill(), {}
         if not batch.seqs:
             drafts = self.propose()
@@ -98,6 +117,7 @@ class SpeculativeLoop:
             self.scheduler.cancel(batch)  # its prompts wait again
             raise
         if not drafts:
+            self.probe = PROBE_EVERY if not batch.is_prefill else self.probe
             return self.engine.postprocess(batch, out, token_ids), batch
         # what the step computed: each sequence's newest token and its drafts
         num_new = [1 + len(drafts.get(seq, ())) for seq in batch.seqs]
@@ -183,10 +203,13 @@ class SpeculativeLoop:
                 f"{self.stats.mean_accepted_length:.2f} tokens/draft step")
 
     def finish(self) -> None:
-        """Nothing is in flight between steps."""
+        """The fallback's step in flight, if any, is postprocessed (its own steps leave none)."""
+        if self.fallback is not None:
+            self.fallback.finish()
 
     def cancel(self) -> None:
-        """Nothing is in flight between steps."""
+        if self.fallback is not None:
+            self.fallback.cancel()
 
 
 def select(out: StepOutput, rows: list[int]) -> StepOutput:
@@ -199,7 +222,9 @@ def select(out: StepOutput, rows: list[int]) -> StepOutput:
 def attach(engine: LLMEngine) -> SpeculativeLoop:
     engine.loop = SpeculativeLoop(engine)
     cfg = engine.config
+    overlap = ("overlap scheduling runs the steps without drafts" if engine.loop.fallback else
+               "overlap scheduling off")
     logger.info(f"speculative decoding: {cfg.speculative_method}, up to "
                 f"{cfg.num_speculative_tokens} tokens per step, n-grams of "
-                f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max} tokens; overlap scheduling off")
+                f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max} tokens; {overlap}")
     return engine.loop
