@@ -248,14 +248,24 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
              device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.max_num_seqs,
              dtype=args.dtype, speculative_method=None if speculative == "off" else speculative,
              num_speculative_tokens=args.num_speculative_tokens) as llm:
+        step, steps = llm.step, []  # the engine steps of each run, counted
+
+        def counted_step() -> tuple:
+            steps[-1] += 1
+            return step()
+
+        llm.step = counted_step
+
         def generate(w: Workload) -> list[int]:
             if timeline_path and w is wl:  # the first timed run (repeats are relabeled copies)
                 llm.observers.append(Timeline(llm.config, llm.scheduler))
+            steps.append(0)
             outs = llm.generate(w.prompts, nanoserve_params(w), use_tqdm=False)
             if llm.observers:  # one run recorded: the engine stops recording
                 recorded.append(llm.observers.pop())
             return [len(o["token_ids"]) for o in outs]
         yield generate
+        log(f"   engine steps per run: {', '.join(map(str, steps[1:]))} (warm-up: {steps[0]})")
         if (stats := getattr(llm.loop, "stats", None)) is not None:
             log(f"   speculation (warm-up included): {stats.num_draft_tokens:,} tokens drafted, "
                 f"{stats.num_accepted_tokens:,} accepted, {stats.mean_accepted_length:.2f} tokens "

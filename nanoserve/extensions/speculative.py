@@ -41,23 +41,31 @@ class NgramIndex:
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        self.ends: dict[tuple[int, ...], list[int]] = {}  # n_min-gram -> indexes of its last token
-        self.num_indexed = n_min - 1  # the n_min-grams ending before this index are in `ends`
+        # n_min-gram -> the index of its last token, at its latest occurrence; earlier[i]: the
+        # occurrence before the one ending at index i (-1: none). Ints, not a list per n-gram:
+        # long-lived containers would make Python's garbage collector scan them again and again
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.earlier: list[int] = [-1] * (n_min - 1)  # one entry per index indexed so far
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the earlier occurrence of tokens' longest suffix (n_min to
         n_max tokens; of equal ones the latest) among the last MAX_CANDIDATES occurrences of its
         last n_min tokens; [] when they never occurred before."""
         n_min, best, best_len = self.n_min, None, 0
-        for end in range(self.num_indexed, len(tokens) - 1):  # the last token ends no earlier one
-            self.ends.setdefault(tuple(tokens[end + 1 - n_min:end + 1]), []).append(end)
-        self.num_indexed = max(self.num_indexed, len(tokens) - 1)
-        for end in reversed(self.ends.get(tuple(tokens[-n_min:]), [])[-MAX_CANDIDATES:]):
+        for end in range(len(self.earlier), len(tokens) - 1):  # the last token ends no earlier one
+            key = tuple(tokens[end + 1 - n_min:end + 1])
+            self.earlier.append(self.latest.get(key, -1))
+            self.latest[key] = end
+        end = self.latest.get(tuple(tokens[-n_min:]), -1)
+        for _ in range(MAX_CANDIDATES):
+            if end < 0:
+                break
             n = n_min  # how far back the match goes, up to n_max
             while n < self.n_max and end - n >= 0 and tokens[end - n] == tokens[-1 - n]:
                 n += 1
             if n > best_len:
                 best, best_len = end, n
+            end = self.earlier[end]
         return [] if best is None else tokens[best + 1:best + 1 + k]
 
 
