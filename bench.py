@@ -738,7 +738,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"max_tokens ({TEXT_MAX_TOKENS})")
     p.add_argument("--speculative", default="off",
                    help="comma list of off, ngram: nanoserve runs once with each")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
+    p.add_argument("--num-speculative-tokens", type=int, default=8,
                    help="nanoserve's num_speculative_tokens with --speculative ngram")
     p.add_argument("--max-num-seqs", type=int, default=512,
                    help="nanoserve's max_num_seqs: 1 runs the requests one at a time")

@@ -87,9 +87,9 @@ class Config:
     device: str = "auto"  # "auto": "cuda" when available, else "cpu"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3, half the bytes
     speculative_method: str | None = None  # "ngram": propose tokens by prompt lookup, verify
-    num_speculative_tokens: int = 4  # most tokens proposed per sequence and step
-    prompt_lookup_min: int = 2  # the n-gram sizes the lookup matches: longest first
-    prompt_lookup_max: int = 4
+    num_speculative_tokens: int = 8  # most tokens proposed per sequence and step
+    prompt_lookup_min: int = 2  # the shortest n-gram the lookup matches (a suffix this long)
+    prompt_lookup_max: int = 4  # the longest: of the matches found, the longest wins
     trace: bool = False  # log one line per engine step (also NANOSERVE_TRACE=1)
     timeline: bool = False  # record every step for a picture of the run (LLM.timeline.plot)
 

@@ -31,8 +31,9 @@ from nanoserve.sequence import Sequence
 logger = logging.getLogger("nanoserve")
 MAX_CANDIDATES = 8  # earlier occurrences of its last n_min tokens a lookup compares, latest first
 # With overlap scheduling, a decode of more than SMALL_BATCH sequences that proposed nothing hands
-# the next PROBE_EVERY steps to the overlap loop: a large batch that gains nothing keeps its pace
-SMALL_BATCH, PROBE_EVERY = 16, 16
+# its next steps to the overlap loop, PROBE_EVERY at first and twice as many after each further
+# try that finds nothing (up to MAX_PROBE_EVERY): a large batch that gains nothing keeps its pace
+SMALL_BATCH, PROBE_EVERY, MAX_PROBE_EVERY = 16, 16, 1024
 
 
 class NgramIndex:
@@ -101,6 +102,7 @@ class SpeculativeLoop:
         self.max_rows = self.runner.max_graph_batch or cfg.max_num_seqs * (1 + self.k)
         self.fallback = engine.loop  # overlap's loop (None: off): it runs the steps without drafts
         self.probe = 0  # steps left to the fallback before the next try at drafting
+        self.probe_every = PROBE_EVERY  # the next wait, doubled by each try that finds nothing
 
     def step(self) -> tuple[list[Sequence], Batch]:
         """A prefill as the plain loop runs it, or a decode step with every sequence's drafts;
@@ -125,8 +127,11 @@ class SpeculativeLoop:
             self.scheduler.cancel(batch)  # its prompts wait again
             raise
         if not drafts:
-            self.probe = PROBE_EVERY if not batch.is_prefill else self.probe
+            if not batch.is_prefill:
+                self.probe, self.probe_every = self.probe_every, min(2 * self.probe_every,
+                                                                     MAX_PROBE_EVERY)
             return self.engine.postprocess(batch, out, token_ids), batch
+        self.probe_every = PROBE_EVERY
         # what the step computed: each sequence's newest token and its drafts
         num_new = [1 + len(drafts.get(seq, ())) for seq in batch.seqs]
         starts = [start + 1 - n for start, n in zip(batch.starts, num_new)]
