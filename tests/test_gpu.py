@@ -298,9 +298,10 @@ def test_speculative_decoding_keeps_the_greedy_tokens(model_dir, kv_cache_dtype)
         with LLM(model_dir, speculative_method=spec, kv_cache_dtype=kv_cache_dtype,
                  max_model_len=1024, max_num_seqs=64) as llm:
             outs[spec] = llm.generate(prompt_list, params, use_tqdm=False)
-            if spec:
-                stats, graphs = llm.loop.stats, llm.model_runner.graphs
-    assert graphs is not None and stats.num_accepted_tokens > 0
+            if spec:  # decode ran in CUDA graphs, with drafts accepted
+                assert llm.model_runner.graphs is not None
+                stats = llm.loop.stats
+    assert stats.num_accepted_tokens > 0
     for on, off in zip(outs["ngram"], outs[None]):
         i = next((i for i, (a, b) in enumerate(zip(on["token_ids"], off["token_ids"])) if a != b),
                  None)
