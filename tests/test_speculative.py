@@ -68,12 +68,15 @@ def test_editing_prompts_accept_drafts_and_keep_their_tokens(model_dir, editing)
     params = SamplingParams(temperature=0, max_tokens=64)
     with LLM(model_dir, overlap_scheduling=False) as llm:
         off = token_ids(llm.generate(editing, params, use_tqdm=False))
-    with LLM(model_dir, max_num_seqs=1, **SPEC) as llm:
+    with LLM(model_dir, max_num_seqs=1, timeline=True, **SPEC) as llm:
         on = token_ids(llm.generate(editing, params, use_tqdm=False))
-        stats = llm.loop.stats
+        stats, steps = llm.loop.stats, llm.timeline.steps
     assert on == off
     assert stats.mean_accepted_length > 2  # more than two tokens a step where drafts were made
-    assert llm.config.num_speculative_tokens == 4
+    # the timeline: a decode step of one sequence kept several tokens, and computed its drafts
+    decodes = [s for s in steps if not s.is_prefill]
+    assert max(s.num_sampled for s in decodes) > 2 and max(s.num_tokens for s in decodes) == 5
+    assert sum(s.num_sampled for s in decodes) + len(editing) == sum(map(len, on))
 
 
 def test_a_large_batch_that_proposes_nothing_runs_overlapped(model_dir, prompts, hf_outputs,  # noqa: F811

@@ -136,7 +136,7 @@ def test_timeline_records_what_the_scheduler_did(model_dir, overlap, tmp_path): 
             sched.add(seq)
             added.append(seq)
         finished, batch = loop.step() if loop else plain_step(sched, runner)
-        timeline.record(batch, finished)
+        timeline.after_step(batch, finished)
         # this column, from the oracle: sequences that finished at an earlier step get no cell
         scheduled = oracle.log[id(batch)]
         cells = {sid: kind for sid, kind in scheduled.cells.items() if sid not in finish}
@@ -147,8 +147,9 @@ def test_timeline_records_what_the_scheduler_did(model_dir, overlap, tmp_path): 
         assert {row.seq_id: row.cells[step] for row in rows if step in row.cells} == cells
         assert {row.seq_id: row.hits[step] for row in rows if step in row.hits} == scheduled.hits
         assert {row.seq_id for row in rows if row.finish == step} == {s.seq_id for s in finished}
+        # num_sampled 0: this loop hands the tokens to the scheduler, not to the engine's observers
         assert timeline.steps[step] == Step(batch.is_prefill, len(batch.seqs),
-                                            sum(batch.num_new_tokens), used_blocks(added),
+                                            sum(batch.num_new_tokens), 0, used_blocks(added),
                                             len(sched.waiting))
     # every request has a row, from the step it was added in, and every mechanism happened
     assert {r.seq_id: r.arrival for r in timeline.rows.values()} == \
@@ -173,11 +174,11 @@ def test_an_aborted_request_ends_where_it_was_aborted(model_dir):  # noqa: F811
     kept, aborted = make_seq(prompt(6), max_tokens=8), make_seq(prompt(6, 50), max_tokens=8)
     sched.add(kept, aborted)
     for _ in range(3):
-        timeline.record(*reversed(plain_step(sched, runner)))
+        timeline.after_step(*reversed(plain_step(sched, runner)))
     sched.abort([aborted])  # as LLMEngine.abort_request does, between steps
     timeline.on_abort(aborted)
     while sched.has_unfinished():
-        timeline.record(*reversed(plain_step(sched, runner)))
+        timeline.after_step(*reversed(plain_step(sched, runner)))
     rows = {row.seq_id: row for row in timeline.rows.values()}
     assert rows[aborted.seq_id].finish == 2 and max(rows[aborted.seq_id].cells) == 2
     assert rows[kept.seq_id].finish == len(timeline.steps) - 1 > 2

@@ -53,6 +53,7 @@ class Step(NamedTuple):
     is_prefill: bool
     num_seqs: int  # the batch size
     num_tokens: int  # tokens computed
+    num_sampled: int  # tokens the step's rows sampled (speculation: several a sequence)
     num_used_blocks: int  # KV blocks in use after the step
     num_waiting: int  # requests in the waiting queue after the step
 
@@ -63,7 +64,7 @@ class Timeline(StepObserver):
     def __init__(self, config: Config, scheduler: Scheduler) -> None:
         self.config, self.scheduler = config, scheduler
         # num_preemptions: the scheduler's running count as last seen (it may start above 0)
-        self.rows, self.steps = {}, []
+        self.rows, self.steps, self.num_sampled = {}, [], 0
         self.num_preemptions = scheduler_stats(scheduler).num_preemptions
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
@@ -86,11 +87,14 @@ class Timeline(StepObserver):
         for seq in islice(sched.waiting, stats.num_preemptions - self.num_preemptions):
             self.rows[seq.seq_id].cells[step] = PREEMPTED
         self.num_preemptions = stats.num_preemptions
-        self.steps.append(Step(batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens),
+        kept, self.num_sampled = self.num_sampled, 0
+        self.steps.append(Step(batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens), kept,
                                stats.num_blocks - stats.num_free_blocks, stats.num_waiting))
         return []
 
-    record = after_step  # its name where a loop drives the scheduler alone (the tests)
+    def on_tokens(self, batch: Batch, out: object, token_ids: list[int]) -> None:
+        self.num_sampled += len(token_ids)  # speculation records a step's tokens in rounds
+
 
     def on_abort(self, seq: Sequence) -> None:
         """A request aborted between steps (LLMEngine.abort_request) ends at the last column."""
@@ -147,6 +151,7 @@ class Timeline(StepObserver):
         # the prefill steps' tokens over every step's tokens as decode (drawn under them: zorder 0)
         tok.stairs(s.num_tokens * s.is_prefill, x, fill=True, color=rgba[PREFILL], label="prefill")
         tok.stairs(s.num_tokens, x, fill=True, color=rgba[DECODE], label="decode", zorder=0)
+        tok.stairs(s.num_sampled * (1 - s.is_prefill), x, color="black", label="decode: kept")
         bs.stairs(s.num_seqs, x, label="batch size", lw=1.5)
         bs.stairs(s.num_waiting, x, color="grey", label="waiting", lw=1.5)
         states = [patches.Patch(color=color, label=label) for label, color in LEGEND.values()]
