@@ -182,8 +182,10 @@ GPU_SIZES = Sizes(256, 1024, 1024, 100, 128)    # the workloads as defined above
 CPU_SIZES = Sizes(16, 256, 128, 32, 32)         # small enough for a few minutes on a CPU
 
 
-def build_workloads(args: argparse.Namespace, cpu: bool, model_dir: str) -> list[Workload]:
-    """Full-size workloads on a GPU, small ones on a CPU; --num-seqs/--max-*-len scale both."""
+def build_workloads(args: argparse.Namespace, cpu: bool,
+                    model_dir: str | None = None) -> list[Workload]:
+    """Full-size workloads on a GPU, small ones on a CPU; --num-seqs/--max-*-len scale both. The
+    text workloads (edit, chat) use model_dir's chat template."""
     import bench_prompts
     size = CPU_SIZES if cpu else GPU_SIZES
     n = args.num_seqs or size.num_seqs
@@ -243,11 +245,12 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
     timeline_path = vars(args).pop("timeline", None)  # taken: later nanoserve runs record nothing
     max_len = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
     recorded: list[Timeline] = []
+    flags = vars(parse_args([])) | vars(args)  # the command line's defaults for flags not given
     with LLM(model_dir, enforce_eager=args.eager, enable_prefix_caching=prefix_caching,
              tensor_parallel_size=args.tp, max_model_len=max(MIN_MODEL_LEN, max_len),
-             device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-             dtype=args.dtype, speculative_method=None if speculative == "off" else speculative,
-             num_speculative_tokens=args.num_speculative_tokens) as llm:
+             device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=flags["max_num_seqs"],
+             dtype=flags["dtype"], speculative_method=None if speculative == "off" else speculative,
+             num_speculative_tokens=flags["num_speculative_tokens"]) as llm:
         step, steps = llm.step, []  # the engine steps of each run, counted
 
         def counted_step() -> tuple:

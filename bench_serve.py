@@ -100,20 +100,22 @@ class Server:
     url: str
     model: str  # the `model` field of a request
 
-    def body(self, prompt: list[int], max_tokens: int, wl: bench.Workload) -> dict:
+    def body(self, prompt: list[int], max_tokens: int, wl: bench.Workload | None = None) -> dict:
         """A streaming /v1/completions request for max_tokens tokens (exactly, where the
-        workload ignores EOS), at the workload's temperature."""
-        body = {"model": self.model, "max_tokens": max_tokens, "temperature": wl.temperature,
+        workload ignores EOS, as random ones do), at the workload's temperature."""
+        temperature, ignore_eos = (wl.temperature, wl.ignore_eos) if wl else (bench.TEMPERATURE,
+                                                                              True)
+        body = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature,
                 "stream": True}
         if self.name == "transformers":  # string prompts only; refuses unknown fields (422)
             return body | {"prompt": " ".join(f"<{i}>" for i in prompt)}
         # usage in every chunk: a chunk may carry several tokens (speculative decoding)
-        return body | {"prompt": prompt, "ignore_eos": wl.ignore_eos,
+        return body | {"prompt": prompt, "ignore_eos": ignore_eos,
                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 async def send(session: aiohttp.ClientSession, server: Server, prompt: list[int],
-               max_tokens: int, wl: bench.Workload) -> RequestResult:
+               max_tokens: int, wl: bench.Workload | None = None) -> RequestResult:
     """One streamed request, timed chunk by chunk. A chunk of n tokens (the usage in every chunk
     tells, where the server gives it) spreads its gap over n inter-token latencies."""
     result, chunks, tokens = RequestResult(prompt_len=len(prompt)), 0, 0

@@ -54,6 +54,21 @@ def test_build_workloads_scales_and_keeps_defaults():
     assert len(w1.prompts) == 16 and all(32 <= n <= 128 for n in w1.output_lens)
 
 
+def test_text_workloads_are_greedy_chats_that_stop_at_eos():
+    from nanoserve.weights import default_model_dir
+    args = argparse.Namespace(num_seqs=None, max_input_len=None, max_output_len=None,
+                              workload="edit,chat")
+    edit, chat = bench.build_workloads(args, cpu=True, model_dir=default_model_dir())
+    for wl in (edit, chat):
+        assert len(wl.prompts) == 20 and len({tuple(p) for p in wl.prompts}) == 20
+        assert wl.temperature == 0 and not wl.ignore_eos and bench.relabeled(wl, 1) is wl
+        assert wl.output_lens == [bench.TEXT_MAX_TOKENS] * 20
+        assert bench.roofline_tokens_per_s(wl, 10**9, 10**5, 3e12) is None
+    names = [name for name, _ in bench.engines_for(edit, ["nanoserve"], ("auto",),
+                                                   ("off", "ngram"))]
+    assert names == ["nanoserve", "nanoserve-ngram"]
+
+
 def test_kv_bytes_per_token_qwen3_0_6b():
     cfg = {**bench.QWEN3_0_6B, "dtype": "bfloat16"}
     assert bench.kv_bytes_per_token(cfg) == 2 * 28 * 8 * 128 * 2 == 114_688
