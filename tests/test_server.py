@@ -211,8 +211,7 @@ def test_many_streams_share_the_events_of_a_step():
     blocks = types.SimpleNamespace(num_free_blocks=1, blocks=[None], num_allocated=0, num_freed=0,
                                    num_hits=0)  # what extensions.stats reads
     engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(
-        waiting=[], running=[], num_preemptions=0, block_manager=blocks), loop=None,
-        extensions={})  # no step loop of an extension, no extension
+        waiting=[], running=[], num_preemptions=0, block_manager=blocks), extensions={})
     loop = engine_loop.EngineLoop(engine, Metrics())
     sent: list[list] = []  # each step's (queue, outputs) pairs handed to the event loop
     loop.event_loop = types.SimpleNamespace(call_soon_threadsafe=lambda fn, pairs: sent.append(

@@ -111,8 +111,8 @@ class SpeculativeLoop:
             if self.probe > 0 and len(self.scheduler.running) > SMALL_BATCH:
                 self.probe -= 1
                 return self.fallback.step()
-            if self.fallback.ahead is not None:  # its step in flight is postprocessed first
-                return self.fallback.finish()
+            if (in_flight := self.fallback.finish()) is not None:  # its step launched ahead
+                return in_flight
         batch, drafts = self.scheduler.schedule_prefill(), {}
         if not batch.seqs:
             drafts = self.propose()

@@ -59,10 +59,10 @@ class Metrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(1 - stats.num_free_blocks / max(stats.num_blocks, 1))
-        if (spec := getattr(engine.loop, "stats", None)) is not None:  # speculative decoding's
-            for name, counter in self.spec.items():  # running totals: add what is new
-                counter.inc(getattr(spec, name) - self.spec_seen[name])
-                self.spec_seen[name] = getattr(spec, name)
+        if (spec := engine.extensions.get("speculative")) is not None:  # its running totals:
+            for name, counter in self.spec.items():  # add what is new
+                counter.inc(getattr(spec.stats, name) - self.spec_seen[name])
+                self.spec_seen[name] = getattr(spec.stats, name)
 
     def observe_output(self, out: RequestOutput, seconds: float, first: bool) -> None:
         """One request's output of a step: seconds since its arrival (first) or last output."""
