@@ -48,8 +48,9 @@ class ForwardContext:
     slot_mapping: Array  # (N,) int32: each new token's slot, block_id * B + offset; -1: spare
     cu_seqlens_q: Array | None = None  # (S+1,) int32 prefill: start of each sequence's new tokens
     cu_seqlens_k: Array | None = None  # (S+1,) int32 prefill: start of each sequence's context
-    context_lens: Array | None = None  # (S,) int32 decode: tokens in the cache per sequence
-    block_tables: Array | None = None  # (S, max_blocks) int32 decode: each sequence's blocks
+    # decode: a row per new token (a sequence computing several tokens has several rows)
+    context_lens: Array | None = None  # (S,) int32 decode: each row's keys, up to its token
+    block_tables: Array | None = None  # (S, max_blocks) int32 decode: each row's sequence's blocks
     num_common_blocks: Array | None = None  # (1,) int32 decode: blocks all share (cascade)
     max_seqlen_q: int = 0  # prefill: the most new tokens of a sequence
     max_seqlen_k: int = 0  # and the longest context
@@ -233,7 +234,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 # ---- attention -----------------------------------------------------------------------------------
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
                  scale: float) -> Tensor:
-    """The core's decode attention: q (S, H, D), one token per sequence, over its blocks."""
+    """The core's decode attention: q (S, H, D), one token per row, over its sequence's blocks."""
     return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
 
 
