@@ -164,6 +164,7 @@ SAMPLING_CHECKS: tuple[Check, ...] = (
      "a list of non-empty strings"),
     ("logprobs", lambda v: v is None or (_is_a(v, int) and 0 <= v <= MAX_LOGPROBS),
      f"None or an integer in [0, {MAX_LOGPROBS}]"),
+    ("guided_decoding", lambda v: v is None or hasattr(v, "source"), "a GuidedDecodingParams"),
 )
 
 
@@ -178,6 +179,7 @@ class SamplingParams:
     seed: int | None = None  # fixed seed: the request samples the same tokens in any batch
     stop: tuple[str, ...] = ()  # strings that end the sequence, matched on the text, left out of it
     logprobs: int | None = None  # k: each output token's log-probability and the k likeliest's
+    guided_decoding: object = None  # a GuidedDecodingParams (extensions.guided): its constraint
 
     def __post_init__(self) -> None:
         check_fields(self, SAMPLING_CHECKS)

@@ -35,7 +35,7 @@ from nanoserve.weights import default_model_dir
 
 # SamplingParams fields that ask for an extension when not at their default: field -> extension
 REQUEST_EXTENSIONS = {"stop": "stop_strings", "logprobs": "logprobs", "top_k": "top_k_top_p",
-                      "top_p": "top_k_top_p"}
+                      "top_p": "top_k_top_p", "guided_decoding": "guided"}
 
 
 class StepObserver:

@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -443,6 +445,47 @@ def test_speculative_decoding_through_the_server(server):
         2 * out.usage.completion_tokens_details.accepted_prediction_tokens
     assert m["nanoserve_spec_decode_num_draft_tokens_total"] >= \
         m["nanoserve_spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_guided_decoding(server):
+    """OpenAI's response_format and vLLM's guided_* extras, on chat and completions, streamed or
+    not; a bad constraint is a 400 naming its field."""
+    client = server.client()
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0,
+                                                             "maximum": 120}},
+        "required": ["name", "age"]}
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    params = dict(model=MODEL, temperature=0, max_tokens=60, messages=ask)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    out = client.chat.completions.create(**params, response_format=fmt)
+    text = out.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert out.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(**params, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    cat = [{"role": "user", "content": "Give a JSON object with a cat's name and age."}]
+    out = client.chat.completions.create(**params | {"messages": cat},
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    for extra, check in [({"guided_regex": r"\d{4}-\d{2}-\d{2}"},
+                          lambda t: re.fullmatch(r"\d{4}-\d{2}-\d{2}", t)),
+                         ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                         ({"guided_json": schema}, lambda t: json.loads(t)["age"] <= 120),
+                         ({"guided_grammar": 'root ::= "Paris" | "Lyon"'},
+                          lambda t: t in ("Paris", "Lyon"))]:
+        out = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                        max_tokens=40, extra_body=extra)
+        assert check(out.choices[0].text), (extra, out.choices[0].text)
+    for kwargs, param in [({"response_format": {"type": "xml"}}, "response_format"),
+                          ({"response_format": {"type": "json_schema"}}, "response_format"),
+                          ({"extra_body": {"guided_regex": "(["}}, "guided_regex"),
+                          ({"extra_body": {"guided_json": '{"type": "objekt"}'}}, "guided_json"),
+                          ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}},
+                           "guided_regex")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**params, **kwargs)
+        assert_openai_error(e.value.body, param)
 
 
 # ---- shutdown (last: it stops the module's server) -------------------------------------------

@@ -25,7 +25,7 @@ README = ROOT / "README.md"
 CORE_BUDGET = 1500  # code lines of the core: small enough to read in an afternoon
 TOTAL_BUDGET = 2161  # code lines of the core and its extensions, but for those of OWN_BUDGETS
 # extensions written to a budget of their own, each held to it and left out of TOTAL_BUDGET
-OWN_BUDGETS = {"extensions/speculative.py": 250}
+OWN_BUDGETS = {"extensions/speculative.py": 250, "extensions/guided.py": 150}
 MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 250  # all lines of one module, of one class
 EXTENSIONS = "extensions"  # nanoserve/extensions/: one module per idea, on top of the core
 EXCLUDE = ["server"]  # the server (nanoserve/server/), an entrypoint on top, is counted apart

@@ -13,7 +13,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedTokenizerBase
 
-from nanoserve.config import SamplingParams
+from nanoserve.config import SamplingParams, extension
 from nanoserve.llm_engine import RequestOutput
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
@@ -69,6 +69,13 @@ class SamplingRequest(BaseModel):
     top_k: int | None = None  # 0 or -1: off
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # guided decoding: OpenAI's response_format ({"type": "json_object"} or {"type":
+    # "json_schema", "json_schema": {"name": ..., "schema": {...}}}), or one of vLLM's extras
+    response_format: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     prompt_param: ClassVar[str] = "prompt"  # the field an engine refusal of the prompt blames
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -84,7 +91,7 @@ class SamplingRequest(BaseModel):
                 top_k=0 if self.top_k in (None, -1) else self.top_k,
                 max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids or [], seed=self.seed, stop=stop,
-                logprobs=logprobs)
+                logprobs=logprobs, guided_decoding=self.guided_decoding())
         except ValueError as e:  # SamplingParams' checks name the field first
             name = field_at_fault(str(e))
             raise OpenAIError(400, str(e), self.param_name(name), "invalid_value") from e
@@ -92,6 +99,31 @@ class SamplingRequest(BaseModel):
     def param_name(self, name: str | None) -> str | None:
         """The request field behind a SamplingParams field (they differ in chat)."""
         return name
+
+    def guided_decoding(self) -> object:
+        """The GuidedDecodingParams the request asks for, or None; a bad one is a 400."""
+        given = {name: value for name in ("json", "regex", "choice", "grammar")
+                 if (value := getattr(self, f"guided_{name}")) is not None}
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            given["json_object"] = True
+        elif kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, (dict, str)):
+                raise OpenAIError(400, "response_format of type json_schema needs json_schema."
+                                       "schema, a JSON schema", "response_format", "invalid_value")
+            given["json"] = schema
+        elif kind != "text":
+            raise OpenAIError(400, "response_format's type must be 'text', 'json_object' or "
+                                   f"'json_schema', got {kind!r}", "response_format",
+                              "invalid_value")
+        if not given:
+            return None
+        param = "response_format" if kind != "text" else f"guided_{next(iter(given))}"
+        try:
+            return extension("guided").GuidedDecodingParams(**given)  # imported when used
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param, "invalid_value") from e
 
 
 class CompletionRequest(SamplingRequest):

@@ -1,0 +1,177 @@
+"""Guided decoding: `SamplingParams(guided_decoding=GuidedDecodingParams(json=schema))` (or
+regex=, choice=, grammar=, json_object=True) makes the output follow a constraint.
+
+xgrammar does the work. A constraint is parsed when its GuidedDecodingParams is made (a bad one
+raises there) and compiled against the vocabulary when its request first samples; the compiler
+caches by the constraint's text, so requests that share a schema compile it once. Each request
+keeps a matcher: the state of its output in the grammar. Every step, before the sampler, the
+matchers of the guided rows fill a bitmask of the tokens allowed next (on several host threads,
+while the GPU runs the step's forward pass), and the disallowed logits of those rows become -inf;
+unguided rows are not touched. The step's recorded tokens then advance the matchers. EOS is
+allowed only where the grammar may end, and once it is done only EOS is, so a finished grammar
+finishes its request ("stop"); max_tokens may still cut it ("length"). JSON is generated without
+free whitespace, so a small model cannot loop on blanks inside an object.
+Tokens a row's sequence has that are not recorded yet come first: with overlap scheduling the
+token of the step in flight (read from its output once it is on the host), with speculative
+decoding the drafts before the row. The row's mask then comes from a fork of the matcher that
+took them, and the forks are dropped after the step: nothing needs rolling back.
+Attaches at two sides of one point: the model runner's sampling hooks (before the sampler, first
+of them, so top-k/p choose among allowed tokens) and the engine's step outputs. Logprobs are the
+model's, before the mask.
+"""
+import functools
+import json
+import re
+import weakref
+from collections import Counter
+from dataclasses import dataclass, fields
+
+import xgrammar as xgr
+from torch import Tensor
+
+from nanoserve.extensions.overlap import PENDING
+from nanoserve.llm_engine import LLMEngine, StepObserver
+from nanoserve.model_runner import SamplingHook, StepOutput
+from nanoserve.scheduler import Batch
+from nanoserve.sequence import Sequence
+
+ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """What a request's output must be: exactly one field set (vLLM's names)."""
+    json: str | dict | None = None  # a JSON schema (its text or a dict): JSON that it accepts
+    regex: str | None = None  # text that this regular expression matches in full
+    choice: tuple[str, ...] | None = None  # one of these strings
+    grammar: str | None = None  # text of this EBNF grammar (xgrammar's dialect, rule `root`)
+    json_object: bool = False  # True: any JSON object
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("GuidedDecodingParams takes exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c
+                                                       for c in self.choice):
+                raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        parse(*self.source)  # a bad schema, regex or grammar raises here
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(kind, text): what xgrammar compiles, kind "json", "regex" or "grammar"."""
+        if self.choice is not None:  # EBNF string literals escape as JSON strings do
+            return "grammar", "root ::= " + " | ".join(map(json.dumps, self.choice))
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.json_object:
+            return "json", ANY_OBJECT
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
+@functools.lru_cache(maxsize=1024)
+def parse(kind: str, text: str) -> xgr.Grammar:
+    """The constraint as an xgrammar Grammar; a ValueError that names what is wrong with it."""
+    try:
+        if kind == "json":  # no free whitespace: separators are exactly ", " and ": "
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        return xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's C++ errors: drop the place
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .* is false: )?", "",
+                        str(e).strip())
+        raise ValueError(f"bad guided_decoding {kind}: {reason}") from None
+
+
+def advanced(matcher: xgr.GrammarMatcher | None, token: int) -> xgr.GrammarMatcher | None:
+    """A fork of matcher that took token; None where the grammar refuses it (the row's token is
+    then refused at verification, whatever its mask) or is over."""
+    if matcher is None or matcher.is_terminated():
+        return None
+    fork = matcher.fork()
+    return fork if fork.accept_token(token) else None
+
+
+class Guided(StepObserver, SamplingHook):
+    def __init__(self, engine: LLMEngine) -> None:
+        self.vocab_size = engine.config.hf_config.vocab_size  # the logits' width
+        info = xgr.TokenizerInfo.from_huggingface(
+            engine.tokenizer, vocab_size=self.vocab_size,
+            stop_token_ids=sorted(engine.scheduler.eos_token_ids))
+        self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
+        self.filler = xgr.BatchGrammarMatcher()  # fills many rows' masks, on several threads
+        self.pinned = engine.model_runner.device.type == "cuda"  # copies to the GPU: from pinned
+        self.bitmask = self._allocate(engine.config.max_num_seqs)  # (rows, V / 32) int32
+        # per guided sequence, as long as it lives: its recorded output in the grammar
+        self.matchers: weakref.WeakKeyDictionary[Sequence, xgr.GrammarMatcher] = \
+            weakref.WeakKeyDictionary()
+        self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step with guided rows
+
+    def _allocate(self, num_rows: int) -> Tensor:
+        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        return bitmask.pin_memory() if self.pinned else bitmask
+
+    def matcher(self, seq: Sequence) -> xgr.GrammarMatcher:
+        """seq's matcher, made (and its grammar compiled, unless cached) on first use."""
+        if (matcher := self.matchers.get(seq)) is None:
+            compiled = self.compiler.compile_grammar(parse(*seq.params.guided_decoding.source))
+            matcher = self.matchers[seq] = xgr.GrammarMatcher(compiled)
+        return matcher
+
+    def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """logits (S, V) with -inf where a guided row's grammar refuses the token."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
+        if not rows:
+            return logits
+        live = [(i, m) for i, m in zip(rows, self._row_matchers(seqs, rows)) if m is not None]
+        if len(self.bitmask) < len(seqs):
+            self.bitmask = self._allocate(len(seqs))
+        indices, bitmask = [i for i, _ in live], self.bitmask[:len(seqs)]  # (S, V / 32)
+        self.filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
+        logits = logits.clone()  # the model's own logits stay for the logprobs
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        indices=indices)
+        return logits
+
+    def _row_matchers(self, seqs: list[Sequence], rows: list[int]) -> list:
+        """The matcher whose state each guided row samples in (None: leave the row unmasked):
+        its sequence's, advanced over tokens not recorded yet (see the module's docstring)."""
+        num_rows, matchers, pending, j = Counter(seqs[i] for i in rows), [], None, 0
+        for i in rows:
+            seq = seqs[i]
+            if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
+                j += 1  # (the drafts are the last num_rows - 1 tokens)
+                matchers.append(advanced(matchers[-1], seq.token_ids[j - num_rows[seq]]))
+                continue
+            j, matcher = 0, self.matcher(seq)
+            if seq.token_ids[-1] == PENDING:  # overlap: the step in flight's token, on the host
+                pending = pending or self._last_tokens()
+                matcher = advanced(matcher, pending[seq])
+            matchers.append(None if matcher is None or matcher.is_terminated() else matcher)
+        return matchers
+
+    def _last_tokens(self) -> dict[Sequence, int]:
+        seqs, out = self.last
+        return dict(zip(seqs, out.tolist()))  # waits for that step's tokens
+
+    def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
+                     out: StepOutput) -> None:
+        if self.matchers:
+            self.last = seqs, out
+
+    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
+        """Advance the matchers of the guided sequences that get a token now."""
+        if not self.matchers:
+            return
+        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, token_ids):
+            # a prefill chunk that does not end the prompt samples nothing
+            if (seq.params.guided_decoding is not None and not seq.is_finished
+                    and seq.num_computed_tokens + num_new == seq.num_tokens):
+                self.matcher(seq).accept_token(token)
+
+
+def attach(engine: LLMEngine) -> Guided:
+    engine.model_runner.sampling_hooks.insert(0, guided := Guided(engine))
+    engine.observers.insert(0, guided)
+    return guided
