@@ -42,6 +42,7 @@ The HF peers take minutes on w1: split a long run with --engines/--workload, one
 import argparse
 import contextlib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -93,6 +94,7 @@ CB_STALL_S = 600           # hf-cb: give up when no request finishes for this lo
 CB_STOP_TIMEOUT_S = 60
 PROGRESS_EVERY = 64        # hf-cb: log every this many finished requests
 NOTE_MAX_CHARS = 200       # a failed engine's error, cut to fit a table row
+GUIDED_MIN_RECORDS = 1000  # --guided: the schema's shortest document, longer than W1's outputs
 
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
@@ -225,21 +227,65 @@ EngineFactory = Callable[[str, Workload, argparse.Namespace, str],
                          AbstractContextManager[Generate]]
 
 
-def nanoserve_params(wl: Workload) -> list:
-    """Each request's SamplingParams: the bench temperature, its own max_tokens, EOS ignored."""
+def guided_schema(key: str) -> dict:
+    """--guided's JSON schema: an array of at least 1,000 records, longer than any W1 output, so
+    a guided request runs to its max_tokens as an unguided one does (EOS ignored) and every one
+    of its tokens is masked. `key` names the records' first field: new keys, new grammars."""
+    string = {"type": "string"}
+    record = {"type": "object", "required": [key, "id", "tags"], "properties": {
+        key: string, "id": {"type": "integer"}, "tags": {"type": "array", "items": string}}}
+    return {"type": "array", "items": record, "minItems": GUIDED_MIN_RECORDS}
+
+
+def nanoserve_params(wl: Workload, guided: str = "off", run: int = 0) -> list:
+    """Each request's SamplingParams: the bench temperature, its own max_tokens, EOS ignored;
+    guided "one": all by one JSON schema, "each": each by its own (new in every run, so each
+    run compiles 256 grammars)."""
     from nanoserve import SamplingParams
-    return [SamplingParams(temperature=wl.temperature, max_tokens=n, ignore_eos=wl.ignore_eos)
-            for n in wl.output_lens]
+    schemas: list = [None] * len(wl.output_lens)
+    if guided != "off":
+        from nanoserve import GuidedDecodingParams
+        schemas = [GuidedDecodingParams(json=guided_schema(
+            "name" if guided == "one" else f"name_{run}_{i}")) for i in range(len(schemas))]
+    return [SamplingParams(temperature=wl.temperature, max_tokens=n, ignore_eos=wl.ignore_eos,
+                           guided_decoding=schema) for n, schema in zip(wl.output_lens, schemas)]
+
+
+class FirstTokens:
+    """An engine observer: when each request of a run got its first token, in seconds since
+    the run began (all its requests arrive then)."""
+
+    def __init__(self) -> None:
+        self.start, self.seconds = time.perf_counter(), {}
+
+    def on_tokens(self, *args) -> None:
+        pass
+
+    def on_abort(self, seq) -> None:
+        pass
+
+    def after_step(self, batch, finished: list) -> list:
+        now = time.perf_counter() - self.start
+        for seq in batch.seqs:
+            if seq.num_output_tokens and seq.seq_id not in self.seconds:
+                self.seconds[seq.seq_id] = now
+        return []
+
+    def summary(self) -> str:
+        ttft = sorted(self.seconds.values())
+        return (f"median {1e3 * statistics.median(ttft):,.0f} ms, p90 "
+                f"{1e3 * ttft[int(0.9 * (len(ttft) - 1))]:,.0f} ms")
 
 
 @contextlib.contextmanager
 def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, device: str,
                      prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                     speculative: str = "off") -> Iterator[Generate]:
+                     speculative: str = "off", guided: str = "off") -> Iterator[Generate]:
     """nanoserve's LLM, given all of a workload's requests at once. The first one the bench
     starts records its first timed run for --timeline (the recording's host time is in that run;
     the warm-up and the repeats of a short workload run without it). With speculation its
-    acceptance over all runs is logged at the end."""
+    acceptance over all runs is logged at the end, and each timed run's time to first token.
+    guided: see nanoserve_params."""
     from nanoserve import LLM
     from nanoserve.extensions.timeline import Timeline
     timeline_path = vars(args).pop("timeline", None)  # taken: later nanoserve runs record nothing
@@ -251,7 +297,7 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
              device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=flags["max_num_seqs"],
              dtype=flags["dtype"], speculative_method=None if speculative == "off" else speculative,
              num_speculative_tokens=flags["num_speculative_tokens"]) as llm:
-        step, steps = llm.step, []  # the engine steps of each run, counted
+        step, steps, first_tokens = llm.step, [], []  # per run: engine steps, FirstTokens
 
         def counted_step() -> tuple:
             steps[-1] += 1
@@ -260,15 +306,20 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
         llm.step = counted_step
 
         def generate(w: Workload) -> list[int]:
-            if timeline_path and w is wl:  # the first timed run (repeats are relabeled copies)
-                llm.observers.append(Timeline(llm.config, llm.scheduler))
+            # the first timed run is recorded (repeats are relabeled copies), every run timed
+            observers = [FirstTokens()] + ([Timeline(llm.config, llm.scheduler)]
+                                           if timeline_path and w is wl else [])
             steps.append(0)
-            outs = llm.generate(w.prompts, nanoserve_params(w), use_tqdm=False)
-            if llm.observers:  # one run recorded: the engine stops recording
-                recorded.append(llm.observers.pop())
+            params = nanoserve_params(w, guided, len(steps))
+            llm.observers += observers
+            outs = llm.generate(w.prompts, params, use_tqdm=False)
+            del llm.observers[-len(observers):]
+            first_tokens.append(observers[0])
+            recorded.extend(observers[1:])  # one run recorded: the engine stops recording
             return [len(o["token_ids"]) for o in outs]
         yield generate
         log(f"   engine steps per run: {', '.join(map(str, steps[1:]))} (warm-up: {steps[0]})")
+        log(f"   time to first token: {'; '.join(f.summary() for f in first_tokens[1:])}")
         if (stats := getattr(llm.loop, "stats", None)) is not None:
             log(f"   speculation (warm-up included): {stats.num_draft_tokens:,} tokens drafted, "
                 f"{stats.num_accepted_tokens:,} accepted, {stats.mean_accepted_length:.2f} tokens "
@@ -405,22 +456,24 @@ ENGINES: dict[str, EngineFactory] = {"nanoserve": nanoserve_engine, "hf-cb": hf_
 
 
 def engines_for(wl: Workload, names: list[str], kv_dtypes: tuple[str, ...] = ("auto",),
-                speculative: tuple[str, ...] = ("off",)) -> list[tuple[str, EngineFactory]]:
-    """The engines to run on wl; nanoserve once per KV cache dtype (named nanoserve-fp8 with fp8)
-    and speculative method (-ngram), and on w2 each twice, prefix caching on and off (-nocache)."""
+                speculative: tuple[str, ...] = ("off",),
+                guided: tuple[str, ...] = ("off",)) -> list[tuple[str, EngineFactory]]:
+    """The engines to run on wl; nanoserve once per KV cache dtype (named nanoserve-fp8 with fp8),
+    speculative method (-ngram) and guided mode (-guided-one), and on w2 each twice, prefix
+    caching on and off (-nocache)."""
     runners = []
     for name in names:
         if name != "nanoserve":
             runners.append((name, ENGINES[name]))
             continue
-        for kv, spec in [(kv, spec) for kv in kv_dtypes for spec in speculative]:
-            run_name = name + ("" if kv == "auto" else f"-{kv}") + ("" if spec == "off" else
-                                                                     f"-{spec}")
-            runners.append((run_name, partial(nanoserve_engine, kv_cache_dtype=kv,
-                                              speculative=spec)))
+        for kv, spec, guide in itertools.product(kv_dtypes, speculative, guided):
+            run_name = name + "".join(f"-{v}" for v in (kv, spec) if v not in ("auto", "off")) \
+                + ("" if guide == "off" else f"-guided-{guide}")
+            settings = dict(kv_cache_dtype=kv, speculative=spec, guided=guide)
+            runners.append((run_name, partial(nanoserve_engine, **settings)))
             if wl.name == "w2":
                 runners.append((f"{run_name}-nocache", partial(
-                    nanoserve_engine, prefix_caching=False, kv_cache_dtype=kv, speculative=spec)))
+                    nanoserve_engine, prefix_caching=False, **settings)))
     return runners
 
 
@@ -743,6 +796,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of off, ngram: nanoserve runs once with each")
     p.add_argument("--num-speculative-tokens", type=int, default=8,
                    help="nanoserve's num_speculative_tokens with --speculative ngram")
+    p.add_argument("--guided", default="off",
+                   help="comma list of off, one, each: nanoserve runs once with each: unguided, "
+                        "every request guided by one JSON schema, each by its own")
     p.add_argument("--max-num-seqs", type=int, default=512,
                    help="nanoserve's max_num_seqs: 1 runs the requests one at a time")
     p.add_argument("--dtype", default="auto", help="nanoserve's dtype (auto, bfloat16, ...)")
@@ -781,11 +837,13 @@ def check_names(args: argparse.Namespace) -> list[str]:
     unknown = ((set(engines) - set(ENGINES))
                | (set(args.workload.split(",")) - {"w1", "w2", "edit", "chat"})
                | (set(args.kv_cache_dtype.split(",")) - {"auto", "fp8"})
-               | (set(args.speculative.split(",")) - {"off", "ngram"}))
+               | (set(args.speculative.split(",")) - {"off", "ngram"})
+               | (set(args.guided.split(",")) - {"off", "one", "each"}))
     if unknown:
-        raise SystemExit(f"unknown engine, workload, KV cache dtype or speculative method "
-                         f"{sorted(unknown)}: use --engines nanoserve,hf-cb,hf, --workload "
-                         "w1,w2,edit,chat, --kv-cache-dtype auto,fp8 and --speculative off,ngram")
+        raise SystemExit(f"unknown engine, workload, KV cache dtype, speculative method or guided "
+                         f"mode {sorted(unknown)}: use --engines nanoserve,hf-cb,hf, --workload "
+                         "w1,w2,edit,chat, --kv-cache-dtype auto,fp8, --speculative off,ngram and "
+                         "--guided off,one,each")
     return engines
 
 
@@ -827,8 +885,8 @@ def run_workload(wl: Workload, engines: list[str], model_dir: str, meta: dict,
         + ", ".join(f"{fmt(b, ',.0f')} tokens/s ({kv} KV cache)" for kv, b in bounds.items()))
     device = "cuda" if meta["hardware"].get("gpu") else "cpu"   # a GPU is named only when used
     rows: list[Row] = []
-    speculative = tuple(args.speculative.split(","))
-    for name, factory in engines_for(wl, engines, kv_dtypes, speculative):
+    variants = tuple(args.speculative.split(",")), tuple(args.guided.split(","))
+    for name, factory in engines_for(wl, engines, kv_dtypes, *variants):
         rows.append(run_engine(name, factory, model_dir, wl, args, device))
         fill_ratios(rows, bounds)
         if args.json:

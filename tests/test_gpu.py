@@ -4,6 +4,7 @@ the first near-tie, logprobs within a tolerance); CUDA-graph decode against eage
 prefix-cache hit against no hit. Skipped on machines without CUDA."""
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -313,3 +314,28 @@ def test_speculative_decoding_keeps_the_greedy_tokens(model_dir, kv_cache_dtype)
             lp_on, lp_off = on["logprobs"][i], off["logprobs"][i]
             assert b in lp_on and a in lp_off, (i, lp_on, lp_off)
             assert lp_on[a] - lp_on[b] < SAME_ENGINE_TOL and lp_off[b] - lp_off[a] < SAME_ENGINE_TOL
+
+
+def test_guided_decoding_on_the_gpu(model_dir):
+    """A regular expression over the test vocabulary's tokens ("t0" to "t8191", EOS "t1"): guided
+    greedy requests next to unguided ones, overlap scheduling on and off (the mask of the step
+    after a step in flight), CUDA graphs and eager: each guided text matches in full, and overlap
+    changes no token."""
+    from nanoserve import GuidedDecodingParams
+    regex = "(t[2-5][0-9][0-9]){4,8}"
+    guided = SamplingParams(temperature=0, max_tokens=24,
+                            guided_decoding=GuidedDecodingParams(regex=regex))
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt_list, params = prompts(8), [guided, plain] * 4
+    outs = {}
+    for eager, overlap in ((False, True), (False, False), (True, True)):
+        with LLM(model_dir, enforce_eager=eager, overlap_scheduling=overlap, max_model_len=1024,
+                 num_kvcache_blocks=1024) as llm:
+            outs[eager, overlap] = llm.generate(prompt_list, params, use_tqdm=False)
+            assert (llm.model_runner.graphs is None) == eager
+    for out in outs[False, True][::2] + outs[True, True][::2]:  # the guided requests
+        text = "".join(f"t{t}" for t in out["token_ids"][:-1])  # less EOS, which ends them
+        assert out["finish_reason"] == "stop" and re.fullmatch(regex, text), out
+    guided_outs = [[o["token_ids"] for o in outs[False, on][::2]] for on in (True, False)]
+    assert guided_outs[0] == guided_outs[1]
+    assert all(len(o["token_ids"]) == 24 for o in outs[False, True][1::2])
