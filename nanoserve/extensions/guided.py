@@ -24,8 +24,11 @@ import json
 import re
 import weakref
 from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
+import numpy as np
 import xgrammar as xgr
 from torch import Tensor
 
@@ -36,6 +39,7 @@ from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
+COMPILE_THREADS = 4  # grammars compiled at once (each on several threads of xgrammar's own)
 
 
 @dataclass(frozen=True)
@@ -93,82 +97,114 @@ def advanced(matcher: xgr.GrammarMatcher | None, token: int) -> xgr.GrammarMatch
     return fork if fork.accept_token(token) else None
 
 
+@dataclass
+class Guide:
+    """A guided request's place in its grammar."""
+    matcher: xgr.GrammarMatcher
+    num_tokens: int = 0  # output tokens the matcher took
+
+
 class Guided(StepObserver, SamplingHook):
     def __init__(self, engine: LLMEngine) -> None:
+        self.scheduler, self.to_device = engine.scheduler, engine.model_runner.to_device
         self.vocab_size = engine.config.hf_config.vocab_size  # the logits' width
         info = xgr.TokenizerInfo.from_huggingface(
             engine.tokenizer, vocab_size=self.vocab_size,
             stop_token_ids=sorted(engine.scheduler.eos_token_ids))
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
+        self.compiling = ThreadPoolExecutor(COMPILE_THREADS, "nanoserve-grammar")
         self.filler = xgr.BatchGrammarMatcher()  # fills many rows' masks, on several threads
         self.pinned = engine.model_runner.device.type == "cuda"  # copies to the GPU: from pinned
         self.bitmask = self._allocate(engine.config.max_num_seqs)  # (rows, V / 32) int32
-        # per guided sequence, as long as it lives: its recorded output in the grammar
-        self.matchers: weakref.WeakKeyDictionary[Sequence, xgr.GrammarMatcher] = \
-            weakref.WeakKeyDictionary()
+        # per guided sequence, as long as it lives: its compiled grammar, then its Guide
+        self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
+        self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
         self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step with guided rows
 
     def _allocate(self, num_rows: int) -> Tensor:
         bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
         return bitmask.pin_memory() if self.pinned else bitmask
 
-    def matcher(self, seq: Sequence) -> xgr.GrammarMatcher:
-        """seq's matcher, made (and its grammar compiled, unless cached) on first use."""
-        if (matcher := self.matchers.get(seq)) is None:
-            compiled = self.compiler.compile_grammar(parse(*seq.params.guided_decoding.source))
-            matcher = self.matchers[seq] = xgr.GrammarMatcher(compiled)
-        return matcher
+    def _compile(self, seqs: Iterable[Sequence]) -> None:
+        """Start compiling the grammars of guided seqs not started yet, on the pool's threads."""
+        for seq in seqs:
+            if seq.params.guided_decoding is not None and seq not in self.grammars:
+                self.grammars[seq] = self.compiling.submit(
+                    self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source))
+
+    def guide(self, seq: Sequence) -> Guide:
+        """seq's Guide, made on first use (waiting for its grammar to compile)."""
+        if (guide := self.guides.get(seq)) is None:
+            self._compile([seq])
+            guide = self.guides[seq] = Guide(xgr.GrammarMatcher(self.grammars[seq].result()))
+        return guide
 
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """logits (S, V) with -inf where a guided row's grammar refuses the token."""
+        self._compile(self.scheduler.waiting)  # they compile while the prompts before them run
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
+        self._catch_up([seqs[i] for i in rows])
         live = [(i, m) for i, m in zip(rows, self._row_matchers(seqs, rows)) if m is not None]
         if len(self.bitmask) < len(seqs):
             self.bitmask = self._allocate(len(seqs))
         indices, bitmask = [i for i, _ in live], self.bitmask[:len(seqs)]  # (S, V / 32)
         self.filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
         logits = logits.clone()  # the model's own logits stay for the logprobs
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        indices=indices)
+        xgr.apply_token_bitmask_inplace(  # indices on the device, copied without waiting
+            logits, bitmask.to(logits.device, non_blocking=True), indices=None
+            if len(live) == len(seqs) else self.to_device(np.array(indices, np.int32)))
         return logits
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """With overlap scheduling a sequence may end in the token of the step in flight: its
+        matcher takes it now, read from that step's output (waiting for it)."""
+        behind = [seq for seq in seqs if seq.token_ids[-1] == PENDING
+                  and self.guide(seq).num_tokens < seq.num_output_tokens]
+        if behind:
+            last_seqs, out = self.last
+            tokens = dict(zip(last_seqs, out.tolist()))
+            self._accept(behind, [tokens[seq] for seq in behind])
+
+    def _accept(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        guides = [self.guide(seq) for seq in seqs]
+        xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
+        for guide in guides:
+            guide.num_tokens += 1
 
     def _row_matchers(self, seqs: list[Sequence], rows: list[int]) -> list:
         """The matcher whose state each guided row samples in (None: leave the row unmasked):
-        its sequence's, advanced over tokens not recorded yet (see the module's docstring)."""
-        num_rows, matchers, pending, j = Counter(seqs[i] for i in rows), [], None, 0
+        its sequence's, or with speculative decoding a fork that took the drafts before it."""
+        num_rows, matchers, j = Counter(seqs[i] for i in rows), [], 0
         for i in rows:
             seq = seqs[i]
             if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
                 j += 1  # (the drafts are the last num_rows - 1 tokens)
                 matchers.append(advanced(matchers[-1], seq.token_ids[j - num_rows[seq]]))
-                continue
-            j, matcher = 0, self.matcher(seq)
-            if seq.token_ids[-1] == PENDING:  # overlap: the step in flight's token, on the host
-                pending = pending or self._last_tokens()
-                matcher = advanced(matcher, pending[seq])
-            matchers.append(None if matcher is None or matcher.is_terminated() else matcher)
+            else:
+                j, matcher = 0, self.guide(seq).matcher
+                matchers.append(None if matcher.is_terminated() else matcher)
         return matchers
-
-    def _last_tokens(self) -> dict[Sequence, int]:
-        seqs, out = self.last
-        return dict(zip(seqs, out.tolist()))  # waits for that step's tokens
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
-        if self.matchers:
+        if self.guides:
             self.last = seqs, out
 
     def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
-        """Advance the matchers of the guided sequences that get a token now."""
-        if not self.matchers:
+        """Advance the matchers of the guided sequences that get a token now (but for tokens
+        taken already, by _catch_up)."""
+        if not self.guides:
             return
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, token_ids):
-            # a prefill chunk that does not end the prompt samples nothing
-            if (seq.params.guided_decoding is not None and not seq.is_finished
-                    and seq.num_computed_tokens + num_new == seq.num_tokens):
-                self.matcher(seq).accept_token(token)
+        taking = [(seq, token) for seq, num_new, token in
+                  zip(batch.seqs, batch.num_new_tokens, token_ids)
+                  # a prefill chunk that does not end the prompt samples nothing
+                  if seq.params.guided_decoding is not None and not seq.is_finished
+                  and seq.num_computed_tokens + num_new == seq.num_tokens
+                  and self.guide(seq).num_tokens == seq.num_output_tokens]
+        if taking:
+            self._accept(*map(list, zip(*taking)))
 
 
 def attach(engine: LLMEngine) -> Guided:
