@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import numpy as np
+import torch
 import xgrammar as xgr
 from torch import Tensor
 
@@ -88,15 +89,6 @@ def parse(kind: str, text: str) -> xgr.Grammar:
         raise ValueError(f"bad guided_decoding {kind}: {reason}") from None
 
 
-def advanced(matcher: xgr.GrammarMatcher | None, token: int) -> xgr.GrammarMatcher | None:
-    """A fork of matcher that took token; None where the grammar refuses it (the row's token is
-    then refused at verification, whatever its mask) or is over."""
-    if matcher is None or matcher.is_terminated():
-        return None
-    fork = matcher.fork()
-    return fork if fork.accept_token(token) else None
-
-
 @dataclass
 class Guide:
     """A guided request's place in its grammar."""
@@ -106,24 +98,23 @@ class Guide:
 
 class Guided(StepObserver, SamplingHook):
     def __init__(self, engine: LLMEngine) -> None:
-        self.scheduler, self.to_device = engine.scheduler, engine.model_runner.to_device
-        self.vocab_size = engine.config.hf_config.vocab_size  # the logits' width
-        info = xgr.TokenizerInfo.from_huggingface(
-            engine.tokenizer, vocab_size=self.vocab_size,
-            stop_token_ids=sorted(engine.scheduler.eos_token_ids))
+        cfg, runner = engine.config, engine.model_runner
+        vocab_size = cfg.hf_config.vocab_size  # the logits' width
+        self.scheduler, self.to_device = engine.scheduler, runner.to_device
+        info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(self.scheduler.eos_token_ids))
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
         self.compiling = ThreadPoolExecutor(COMPILE_THREADS, "nanoserve-grammar")
         self.filler = xgr.BatchGrammarMatcher()  # fills many rows' masks, on several threads
-        self.pinned = engine.model_runner.device.type == "cuda"  # copies to the GPU: from pinned
-        self.bitmask = self._allocate(engine.config.max_num_seqs)  # (rows, V / 32) int32
+        # (rows, V / 32) int32 on the host, pinned on CUDA, whence a stream of its own copies it
+        k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
+        self.bitmask = xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), vocab_size)
+        self.copies = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
+        self.bitmask = self.bitmask.pin_memory() if self.copies else self.bitmask
         # per guided sequence, as long as it lives: its compiled grammar, then its Guide
         self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
         self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step with guided rows
-
-    def _allocate(self, num_rows: int) -> Tensor:
-        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-        return bitmask.pin_memory() if self.pinned else bitmask
 
     def _compile(self, seqs: Iterable[Sequence]) -> None:
         """Start compiling the grammars of guided seqs not started yet, on the pool's threads."""
@@ -145,45 +136,54 @@ class Guided(StepObserver, SamplingHook):
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
-        self._catch_up([seqs[i] for i in rows])
-        live = [(i, m) for i, m in zip(rows, self._row_matchers(seqs, rows)) if m is not None]
-        if len(self.bitmask) < len(seqs):
-            self.bitmask = self._allocate(len(seqs))
+        guides = {seqs[i]: self.guide(seqs[i]) for i in rows}
+        self._catch_up(guides)
+        live = [(i, m) for i, m in zip(rows, self._row_matchers(seqs, rows, guides)) if m]
         indices, bitmask = [i for i, _ in live], self.bitmask[:len(seqs)]  # (S, V / 32)
         self.filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
-        logits = logits.clone()  # the model's own logits stay for the logprobs
-        xgr.apply_token_bitmask_inplace(  # indices on the device, copied without waiting
-            logits, bitmask.to(logits.device, non_blocking=True), indices=None
-            if len(live) == len(seqs) else self.to_device(np.array(indices, np.int32)))
+        if any(seqs[i].params.logprobs is not None for i in rows):
+            logits = logits.clone()  # the model's own logits stay for the logprobs
+        if self.copies is not None:  # on the copy engine, while the step's forward pass runs
+            with torch.cuda.stream(self.copies):
+                bitmask = bitmask.to(logits.device, non_blocking=True)
+            torch.cuda.current_stream().wait_stream(self.copies)
+            bitmask.record_stream(torch.cuda.current_stream())
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=None if len(live) == len(seqs)
+                                        else self.to_device(np.array(indices, np.int32)))
         return logits
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
+    def _catch_up(self, guides: dict[Sequence, Guide]) -> None:
         """With overlap scheduling a sequence may end in the token of the step in flight: its
         matcher takes it now, read from that step's output (waiting for it)."""
-        behind = [seq for seq in seqs if seq.token_ids[-1] == PENDING
-                  and self.guide(seq).num_tokens < seq.num_output_tokens]
+        behind = [seq for seq, guide in guides.items()
+                  if seq.token_ids[-1] == PENDING and guide.num_tokens < seq.num_output_tokens]
         if behind:
             last_seqs, out = self.last
             tokens = dict(zip(last_seqs, out.tolist()))
-            self._accept(behind, [tokens[seq] for seq in behind])
+            self._accept([guides[seq] for seq in behind], [tokens[seq] for seq in behind])
 
-    def _accept(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        guides = [self.guide(seq) for seq in seqs]
+    @staticmethod
+    def _accept(guides: list[Guide], tokens: list[int]) -> None:
         xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
         for guide in guides:
             guide.num_tokens += 1
 
-    def _row_matchers(self, seqs: list[Sequence], rows: list[int]) -> list:
+    @staticmethod
+    def _row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide]
+                      ) -> list[xgr.GrammarMatcher | None]:
         """The matcher whose state each guided row samples in (None: leave the row unmasked):
-        its sequence's, or with speculative decoding a fork that took the drafts before it."""
+        its sequence's, or with speculative decoding a fork that took the drafts before the row
+        (None where the grammar refuses one: verification then stops before the row)."""
         num_rows, matchers, j = Counter(seqs[i] for i in rows), [], 0
         for i in rows:
             seq = seqs[i]
             if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
-                j += 1  # (the drafts are the last num_rows - 1 tokens)
-                matchers.append(advanced(matchers[-1], seq.token_ids[j - num_rows[seq]]))
+                j, fork = j + 1, matchers[-1] and matchers[-1].fork()
+                # (the drafts are the sequence's last num_rows - 1 tokens)
+                taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
+                matchers.append(fork if taken and not fork.is_terminated() else None)
             else:
-                j, matcher = 0, self.guide(seq).matcher
+                j, matcher = 0, guides[seq].matcher
                 matchers.append(None if matcher.is_terminated() else matcher)
         return matchers
 
@@ -197,12 +197,11 @@ class Guided(StepObserver, SamplingHook):
         taken already, by _catch_up)."""
         if not self.guides:
             return
-        taking = [(seq, token) for seq, num_new, token in
+        taking = [(guide, token) for seq, num_new, token in
                   zip(batch.seqs, batch.num_new_tokens, token_ids)
                   # a prefill chunk that does not end the prompt samples nothing
-                  if seq.params.guided_decoding is not None and not seq.is_finished
-                  and seq.num_computed_tokens + num_new == seq.num_tokens
-                  and self.guide(seq).num_tokens == seq.num_output_tokens]
+                  if not seq.is_finished and seq.num_computed_tokens + num_new == seq.num_tokens
+                  and (guide := self.guides.get(seq)) and guide.num_tokens == seq.num_output_tokens]
         if taking:
             self._accept(*map(list, zip(*taking)))
 
