@@ -43,8 +43,7 @@ Check = tuple[str, Callable[..., bool], str]
 def check_fields(obj: object, checks: tuple[Check, ...]) -> None:
     """Raise a ValueError for the first field of obj whose value fails its check."""
     for name, is_valid, must_be in checks:
-        value = getattr(obj, name)
-        if not is_valid(value):
+        if not is_valid(value := getattr(obj, name)):
             raise ValueError(f"{name} must be {must_be}, got {value!r}")
 
 

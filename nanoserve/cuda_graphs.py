@@ -48,8 +48,7 @@ class DecodeGraphs:
             "context_lens": torch.zeros(max_batch, dtype=torch.int32),
             "block_tables": torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32),
             "num_common_blocks": torch.zeros(1, dtype=torch.int32),
-            "hidden": torch.zeros(max_batch, model.lm_head.weight.shape[1],
-                                  dtype=model.lm_head.weight.dtype)}
+            "hidden": model.lm_head.weight.new_zeros(max_batch, model.lm_head.weight.shape[1])}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, shared) -> graph
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool that all graphs share
         # largest first: the smaller ones reuse its memory
@@ -64,9 +63,8 @@ class DecodeGraphs:
         inputs = {name: b[name] for name in b if name != "hidden"}  # every buffer but hidden
         if not shared:  # the plain decode: no shared prefix looked for
             inputs["num_common_blocks"] = None
-        ctx = self.make_context(ForwardContext(is_prefill=False, **inputs))
         graph = torch.cuda.CUDAGraph()
-        with forward_context(ctx):
+        with forward_context(self.make_context(ForwardContext(is_prefill=False, **inputs))):
             b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured
             with torch.cuda.graph(graph, self.pool):
                 b["hidden"][:] = self.model(b["input_ids"], b["positions"])

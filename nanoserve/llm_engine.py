@@ -13,7 +13,6 @@ Invariant: after generate() returns or raises, no sequence of that call is left 
 """
 import atexit
 import gc
-import math
 import numbers
 import sys
 import time
@@ -306,7 +305,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         self.scheduler.add(*seqs)
         # no terminal (a log file): drawn once, at the end; redraws would split the trace's lines
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True,
-                   delay=0 if sys.stderr.isatty() else math.inf)
+                   delay=0 if sys.stderr.isatty() else float("inf"))
         ids = {seq.seq_id for seq in seqs}  # other requests (add_request) may finish in between
         start, first = time.perf_counter(), self.num_sampled
         try:

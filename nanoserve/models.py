@@ -23,30 +23,32 @@ def rope_theta(cfg: PretrainedConfig) -> float:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, qk_norm: bool, qkv_bias: bool) -> None:
+    def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         tp = layers.tp_rank_and_size()[1]
         D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.head_dim = D
-        self.num_heads = cfg.num_attention_heads // tp  # H on this rank
-        self.num_kv_heads = cfg.num_key_value_heads // tp  # Hkv on this rank
         q_size, kv_size = cfg.num_attention_heads * D, cfg.num_key_value_heads * D  # unsharded
+        arch = cfg.architectures[0]  # the two switches between architectures (module docstring)
+        qk_norm = arch == "Qwen3ForCausalLM"
+        qkv_bias = arch == "Qwen2ForCausalLM" or getattr(cfg, "attention_bias", False)
         self.qkv_proj = layers.ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
                                                     bias=qkv_bias)
         self.o_proj = layers.RowParallelLinear(q_size, cfg.hidden_size)
         self.q_norm = layers.RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = layers.RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = layers.RotaryEmbedding(D, cfg.max_position_embeddings, rope_theta(cfg))
-        self.attn = layers.Attention(self.num_heads, self.num_kv_heads, D)
+        self.attn = layers.Attention(cfg.num_attention_heads // tp,  # H and Hkv on this rank
+                                     cfg.num_key_value_heads // tp, D)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        attn = self.attn
+        H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], -1)
         q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)  # (N, heads, D)
         # q/k norm (Qwen3) -> rotary -> K/V into the paged cache
-        q, k = layers.OPS.norm_rotary_store(positions, q, k, v, self.attn, self.rotary,
+        q, k = layers.OPS.norm_rotary_store(positions, q, k, v, attn, self.rotary,
                                             self.q_norm, self.k_norm)
-        o = self.attn(q, k, v)  # (N, H, D): attend to each sequence's cached context
+        o = attn(q, k, v)  # (N, H, D): attend to each sequence's cached context
         return self.o_proj(o.flatten(1))  # (N, hidden)
 
 
@@ -60,14 +62,14 @@ class MLP(nn.Module):
         self.down_proj = layers.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)  # (N, 2 I): gate and up, one GEMM
-        return self.down_proj(layers.OPS.silu_and_mul(gate_up))  # (N, I) -> (N, hidden)
+        # gate and up in one GEMM (N, 2 I) -> SiLU(gate) * up (N, I) -> down (N, hidden)
+        return self.down_proj(layers.OPS.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, qk_norm: bool, qkv_bias: bool) -> None:
+    def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, qk_norm, qkv_bias)
+        self.self_attn = SelfAttention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -89,13 +91,9 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
-        arch = cfg.architectures[0]
-        qk_norm = arch == "Qwen3ForCausalLM"
-        qkv_bias = arch == "Qwen2ForCausalLM" or getattr(cfg, "attention_bias", False)
         self.model = nn.Module()
         self.model.embed_tokens = layers.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, qkv_bias)
-                                          for _ in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.model.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = layers.ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

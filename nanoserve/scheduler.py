@@ -129,11 +129,10 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        params = seq.params
-        if token_id in params.stop_token_ids or (
-                not params.ignore_eos and token_id in self.eos_token_ids):
+        sp = seq.params
+        if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
-        return "length" if seq.num_output_tokens >= params.max_tokens else None
+        return "length" if seq.num_output_tokens >= sp.max_tokens else None
 
     # ---- after a failure ---------------------------------------------------------------------
     def cancel(self, batch: Batch) -> None:

@@ -24,8 +24,7 @@ class Sequence:
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int) -> None:
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
-        self.token_ids = list(token_ids)
-        self.num_prompt_tokens = len(token_ids)
+        self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.params, self.block_size = params, block_size
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache

@@ -77,14 +77,14 @@ def _convert_gguf(gguf_path: str, out: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # save by hand: transformers refuses to re-save a model it loaded from GGUF
-    config = model.config
-    del config.quantization_config  # the saved weights are plain float32, not GGUF
-    config.architectures = [type(model).__name__]  # GGUF lacks it; nanoserve picks the model by it
+    del model.config.quantization_config  # the saved weights are plain float32, not GGUF
+    # GGUF lacks it; nanoserve picks the model by it
+    model.config.architectures = [type(model).__name__]
     state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
     tmp = f"{out}.tmp{os.getpid()}"  # a crash mid-way leaves no half-written model behind
     os.makedirs(tmp, exist_ok=True)  # and the cache directory it sits in
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    for part in (config, model.generation_config, tokenizer):  # each writes its own files
+    for part in (model.config, model.generation_config, tokenizer):  # each writes its own files
         part.save_pretrained(tmp)
     os.replace(tmp, out)
