@@ -50,6 +50,7 @@ import random
 import statistics
 import struct
 import sys
+import tempfile
 import time
 import traceback
 from collections import deque
@@ -207,7 +208,21 @@ def build_workloads(args: argparse.Namespace, cpu: bool,
 
 def resolve_model_dir(args: argparse.Namespace, cpu: bool) -> str:
     """--model (`default`: the packaged default model), else the random Qwen3-0.6B (GPU), the
-    packaged default model (CPU) or --tiny."""
+    packaged default model (CPU) or --tiny; with --tokenizer, that model with another tokenizer."""
+    model_dir = model_weights_dir(args, cpu)
+    if not args.tokenizer:
+        return model_dir
+    # a directory of links: the model's config and weights, the tokenizer's files
+    paired = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
+    for src in (model_dir, args.tokenizer):
+        for f in Path(src).iterdir():
+            if (src == model_dir) != f.name.startswith(("tokenizer", "special_tokens", "vocab",
+                                                        "merges", "chat_template")):
+                (paired / f.name).symlink_to(f.resolve())
+    return str(paired)
+
+
+def model_weights_dir(args: argparse.Namespace, cpu: bool) -> str:
     if args.model and args.model != "default":
         return args.model
     cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
@@ -806,6 +821,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model",
                    help="HF-layout model dir, or `default` for the packaged SmolLM2 (default: "
                         "random Qwen3-0.6B; CPU: the packaged SmolLM2)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="run the model with this directory's tokenizer files: --guided needs one "
+                        "of real text (the random Qwen3's names its tokens <i>, which no grammar "
+                        "accepts), e.g. the default model's")
     p.add_argument("--cpu", action="store_true", help="CPU mode (automatic without CUDA)")
     p.add_argument("--eager", action="store_true", help="nanoserve without CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="nanoserve tensor-parallel size")
