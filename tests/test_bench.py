@@ -321,3 +321,27 @@ def test_tiny_is_labeled_a_smoke_test(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--help"])
     assert "--tiny smoke test, not a benchmark" in " ".join(capsys.readouterr().out.split())
+
+
+def test_guided_runs_with_another_tokenizer(tiny_model, monkeypatch):
+    """--guided on the tiny Qwen3 (151,936 logits) with the default model's tokenizer (49,152
+    tokens): every request follows the schema (the ids past the tokenizer, two thirds of the
+    logits, are refused) and runs to its max_tokens; each run compiles its own grammars."""
+    import xgrammar as xgr
+
+    from nanoserve import LLM
+    from nanoserve.weights import default_model_dir
+    monkeypatch.setattr(bench, "model_weights_dir", lambda args, cpu: tiny_model)
+    args = bench.parse_args(["--tokenizer", default_model_dir()])
+    wl = bench.make_w1(4, 16, 32, 40, 60)
+    with LLM(bench.resolve_model_dir(args, cpu=True), device="cpu") as llm:
+        for guided, run in (("one", 0), ("each", 1)):
+            params = bench.nanoserve_params(wl, guided, run)
+            outs = llm.generate(wl.prompts, params, use_tqdm=False)
+            for out, sp, n in zip(outs, params, wl.output_lens):
+                grammar = llm.extensions["guided"].compiler.compile_grammar(
+                    xgr.Grammar.from_json_schema(sp.guided_decoding.json, any_whitespace=False))
+                matcher = xgr.GrammarMatcher(grammar)
+                assert len(out["token_ids"]) == n and all(map(matcher.accept_token,
+                                                              out["token_ids"]))
+    assert len({json.dumps(sp.guided_decoding.json) for sp in params}) == len(params)

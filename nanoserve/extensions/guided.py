@@ -96,21 +96,48 @@ class Guide:
     num_tokens: int = 0  # output tokens the matcher took
 
 
+def accept(guides: list[Guide], tokens: list[int]) -> None:
+    """Each guide's matcher takes its token."""
+    xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
+    for guide in guides:
+        guide.num_tokens += 1
+
+
+def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide]
+                 ) -> list[xgr.GrammarMatcher | None]:
+    """The matcher whose state each guided row samples in (None: leave the row unmasked):
+    its sequence's, or with speculative decoding a fork that took the drafts before the row
+    (None where the grammar refuses one: verification then stops before the row)."""
+    num_rows, matchers, j = Counter(seqs[i] for i in rows), [], 0
+    for i in rows:
+        seq = seqs[i]
+        if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
+            j, fork = j + 1, matchers[-1] and matchers[-1].fork()
+            # (the drafts are the sequence's last num_rows - 1 tokens)
+            taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
+            matchers.append(fork if taken and not fork.is_terminated() else None)
+        else:
+            j, matcher = 0, guides[seq].matcher
+            matchers.append(None if matcher.is_terminated() else matcher)
+    return matchers
+
+
 class Guided(StepObserver, SamplingHook):
     def __init__(self, engine: LLMEngine) -> None:
         cfg, runner = engine.config, engine.model_runner
-        vocab_size = cfg.hf_config.vocab_size  # the logits' width
         self.scheduler, self.to_device = engine.scheduler, runner.to_device
-        info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=vocab_size,
+        # the tokenizer's ids: the logits' ids past them (padding) have no text, and are refused
+        self.vocab_size = min(len(engine.tokenizer), cfg.hf_config.vocab_size)
+        info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=sorted(self.scheduler.eos_token_ids))
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
         self.compiling = ThreadPoolExecutor(COMPILE_THREADS, "nanoserve-grammar")
         self.filler = xgr.BatchGrammarMatcher()  # fills many rows' masks, on several threads
         # (rows, V / 32) int32 on the host, pinned on CUDA, whence a stream of its own copies it
         k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
-        self.bitmask = xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), vocab_size)
         self.copies = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
-        self.bitmask = self.bitmask.pin_memory() if self.copies else self.bitmask
+        bitmask = xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), self.vocab_size)
+        self.bitmask = bitmask.pin_memory() if self.copies else bitmask
         # per guided sequence, as long as it lives: its compiled grammar, then its Guide
         self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
@@ -138,7 +165,7 @@ class Guided(StepObserver, SamplingHook):
             return logits
         guides = {seqs[i]: self.guide(seqs[i]) for i in rows}
         self._catch_up(guides)
-        live = [(i, m) for i, m in zip(rows, self._row_matchers(seqs, rows, guides)) if m]
+        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
         indices, bitmask = [i for i, _ in live], self.bitmask[:len(seqs)]  # (S, V / 32)
         self.filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
         if any(seqs[i].params.logprobs is not None for i in rows):
@@ -148,8 +175,11 @@ class Guided(StepObserver, SamplingHook):
                 bitmask = bitmask.to(logits.device, non_blocking=True)
             torch.cuda.current_stream().wait_stream(self.copies)
             bitmask.record_stream(torch.cuda.current_stream())
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=None if len(live) == len(seqs)
-                                        else self.to_device(np.array(indices, np.int32)))
+        index = (slice(None) if len(live) == len(seqs)  # the rows, on the device without waiting
+                 else self.to_device(np.array(indices, np.int64)))
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                        indices=None if isinstance(index, slice) else index)
+        logits[index, self.vocab_size:] = float("-inf")
         return logits
 
     def _catch_up(self, guides: dict[Sequence, Guide]) -> None:
@@ -160,37 +190,11 @@ class Guided(StepObserver, SamplingHook):
         if behind:
             last_seqs, out = self.last
             tokens = dict(zip(last_seqs, out.tolist()))
-            self._accept([guides[seq] for seq in behind], [tokens[seq] for seq in behind])
-
-    @staticmethod
-    def _accept(guides: list[Guide], tokens: list[int]) -> None:
-        xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
-        for guide in guides:
-            guide.num_tokens += 1
-
-    @staticmethod
-    def _row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide]
-                      ) -> list[xgr.GrammarMatcher | None]:
-        """The matcher whose state each guided row samples in (None: leave the row unmasked):
-        its sequence's, or with speculative decoding a fork that took the drafts before the row
-        (None where the grammar refuses one: verification then stops before the row)."""
-        num_rows, matchers, j = Counter(seqs[i] for i in rows), [], 0
-        for i in rows:
-            seq = seqs[i]
-            if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
-                j, fork = j + 1, matchers[-1] and matchers[-1].fork()
-                # (the drafts are the sequence's last num_rows - 1 tokens)
-                taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
-                matchers.append(fork if taken and not fork.is_terminated() else None)
-            else:
-                j, matcher = 0, guides[seq].matcher
-                matchers.append(None if matcher.is_terminated() else matcher)
-        return matchers
+            accept([guides[seq] for seq in behind], [tokens[seq] for seq in behind])
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
-        if self.guides:
-            self.last = seqs, out
+        self.last = seqs, out
 
     def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
         """Advance the matchers of the guided sequences that get a token now (but for tokens
@@ -203,7 +207,7 @@ class Guided(StepObserver, SamplingHook):
                   if not seq.is_finished and seq.num_computed_tokens + num_new == seq.num_tokens
                   and (guide := self.guides.get(seq)) and guide.num_tokens == seq.num_output_tokens]
         if taking:
-            self._accept(*map(list, zip(*taking)))
+            accept(*map(list, zip(*taking)))
 
 
 def attach(engine: LLMEngine) -> Guided:
