@@ -159,7 +159,8 @@ class Guided(StepObserver, SamplingHook):
 
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """logits (S, V) with -inf where a guided row's grammar refuses the token."""
-        self._compile(self.scheduler.waiting)  # they compile while the prompts before them run
+        # this step's rows first; then the waiting ones, compiled while the prompts before them run
+        self._compile([*seqs, *self.scheduler.waiting])
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
