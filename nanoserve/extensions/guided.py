@@ -40,7 +40,6 @@ from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
-COMPILE_THREADS = 4  # grammars compiled at once (each on several threads of xgrammar's own)
 
 
 @dataclass(frozen=True)
@@ -131,7 +130,8 @@ class Guided(StepObserver, SamplingHook):
         info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=sorted(self.scheduler.eos_token_ids))
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
-        self.compiling = ThreadPoolExecutor(COMPILE_THREADS, "nanoserve-grammar")
+        # four grammars compile at once, each on several threads of xgrammar's own
+        self.compiling = ThreadPoolExecutor(4, "nanoserve-grammar")
         self.filler = xgr.BatchGrammarMatcher()  # fills many rows' masks, on several threads
         # (rows, V / 32) int32 on the host, pinned on CUDA, whence a stream of its own copies it
         k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
@@ -141,7 +141,8 @@ class Guided(StepObserver, SamplingHook):
         # per guided sequence, as long as it lives: its compiled grammar, then its Guide
         self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
-        self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step with guided rows
+        self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step sampled
+        self.caught_up: StepOutput | None = None  # the last step whose tokens _catch_up took
 
     def _compile(self, seqs: Iterable[Sequence]) -> None:
         """Start compiling the grammars of guided seqs not started yet, on the pool's threads."""
@@ -190,7 +191,7 @@ class Guided(StepObserver, SamplingHook):
                   if seq.token_ids[-1] == PENDING and guide.num_tokens < seq.num_output_tokens]
         if behind:
             last_seqs, out = self.last
-            tokens = dict(zip(last_seqs, out.tolist()))
+            tokens, self.caught_up = dict(zip(last_seqs, out.tolist())), out
             accept([guides[seq] for seq in behind], [tokens[seq] for seq in behind])
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
@@ -199,8 +200,9 @@ class Guided(StepObserver, SamplingHook):
 
     def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
         """Advance the matchers of the guided sequences that get a token now (but for tokens
-        taken already, by _catch_up)."""
-        if not self.guides:
+        taken already, by _catch_up: all of a step's that matter, as the step after it holds
+        every sequence that goes on)."""
+        if not self.guides or out is self.caught_up:
             return
         taking = [(guide, token) for seq, num_new, token in
                   zip(batch.seqs, batch.num_new_tokens, token_ids)
