@@ -5,6 +5,7 @@ import glob
 import multiprocessing
 import multiprocessing.context
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -65,6 +66,22 @@ def test_tp2_with_speculative_decoding_matches_tp1(tiny_qwen3):
              speculative_method="ngram", prompt_lookup_min=1) as llm:
         assert greedy_ids(llm, prompts) == expected
         assert llm.loop.stats.num_accepted_tokens > 0
+
+
+def test_tp2_with_guided_decoding_matches_tp1(tiny_qwen3):
+    """Masks on rank 0 only, where the tokens are sampled: the same guided greedy tokens as one
+    rank, each a full match (the vocabulary is the tokenizer's first 1,001 ids: digits and "-"
+    are among them)."""
+    from nanoserve import GuidedDecodingParams
+    regex = r"[0-9]{3}-[0-9]{4}"
+    params = SamplingParams(temperature=0, max_tokens=20,
+                            guided_decoding=GuidedDecodingParams(regex=regex))
+    outs = {}
+    for tp in (1, 2):
+        with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=tp) as llm:
+            outs[tp] = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs[2]] == [o["token_ids"] for o in outs[1]]
+    assert all(re.fullmatch(regex, o["text"]) for o in outs[2]), outs[2]
 
 
 def test_tp2_fp8_kv_cache_matches_tp1(tiny_qwen3):
