@@ -1,5 +1,7 @@
-"""The FP8 KV cache: `kv_cache_dtype="fp8"` stores K and V as float8 e4m3, half the bytes of
-bf16, so twice the tokens fit and decode reads half the bytes.
+"""The FP8 KV cache: K and V as float8 e4m3, half the bytes of bf16.
+
+`kv_cache_dtype="fp8"` stores K and V as float8 e4m3, so twice the tokens fit and decode reads
+half the bytes.
 
 K and V are stored as they are (per-tensor scale 1, as vLLM's default), rounded to 3 mantissa
 bits, saturating at +-448 (kernels.to_cache_dtype). The core's kernels read any cache dtype and

@@ -1,5 +1,7 @@
-"""Guided decoding: `SamplingParams(guided_decoding=GuidedDecodingParams(json=schema))` (or
-regex=, choice=, grammar=, json_object=True) makes the output follow a constraint.
+"""Guided decoding: output that follows a JSON schema, a regular expression, a choice or a grammar.
+
+`SamplingParams(guided_decoding=GuidedDecodingParams(json=schema))` (or regex=, choice=, grammar=,
+json_object=True) asks for it.
 
 xgrammar does the work. A constraint is parsed when its GuidedDecodingParams is made (a bad one
 raises there) and compiled against the vocabulary when its request first samples; the compiler

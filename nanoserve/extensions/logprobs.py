@@ -1,4 +1,6 @@
-"""Logprobs: `SamplingParams(logprobs=k)` reports, per output token, the log-probability of the
+"""Logprobs: each output token's log-probability, and the k likeliest tokens'.
+
+`SamplingParams(logprobs=k)` reports, per output token, the log-probability of the
 sampled token and of the k likeliest, vLLM's way (from the model's logits, before temperature
 and top-k/p).
 

@@ -1,5 +1,7 @@
-"""Statistics: a read-only view of the scheduler's queues and KV blocks, shared by the trace, the
-timeline and the server's metrics.
+"""Statistics: a read-only view of queues and KV blocks (trace, timeline, server metrics).
+
+The scheduler's queues and the KV blocks as the trace, the timeline and the server's metrics
+read them.
 
 The core keeps the counts as it works (Scheduler.num_preemptions; BlockManager.num_allocated,
 num_freed, num_hits); `scheduler_stats(scheduler)` reads them with the queue lengths and the free

@@ -1,5 +1,7 @@
-"""Stop strings: `SamplingParams(stop=[...])` ends a request where one of its strings first
-appears in the text, and leaves the string out.
+"""Stop strings: a request ends where one of its strings appears, left out of the text.
+
+`SamplingParams(stop=[...])` ends a request where one of its strings first appears in the text,
+and leaves the string out.
 
 Stop strings are matched on the text, not on tokens: a string may span several tokens, and a
 token may hold more than the string. So a request with stop strings has its text decoded step by

@@ -1,5 +1,7 @@
-"""Top-k and top-p (nucleus) sampling: `SamplingParams(top_k=k, top_p=p)` draws only from the k
-likeliest tokens, and from the fewest likeliest whose probability reaches p.
+"""Top-k and top-p (nucleus) sampling: draws from the likeliest tokens only.
+
+`SamplingParams(top_k=k, top_p=p)` draws only from the k likeliest tokens, and from the fewest
+likeliest whose probability reaches p.
 
 Attaches at the model runner's sampling hooks, before the sampler: the logits outside the kept
 set become -inf, so the core's sampler, which divides by the temperature, draws from the rest
