@@ -133,9 +133,10 @@ class ModelRunner:
                 num_blocks = int(t.item())
             self.config.check_kvcache_fits(num_blocks, block_bytes)
             self.config.num_kvcache_blocks = num_blocks
-        # (2, layers, num_blocks + 1, B, Hkv, D): K and V of every layer, allocated at once; the
-        # last block is a spare no sequence owns, where slot -1 (a padded graph row) writes
-        self.kv_cache = torch.empty(2, len(layers), num_blocks + 1, *block, dtype=kv_dtype,
+        # (2, layers, num_blocks + 1, B, Hkv, D): K and V of every layer, allocated at once (zeroed:
+        # the CPU's decode reads slots past a context); the last block is a spare no sequence owns,
+        # where slot -1 (a padded graph row) writes
+        self.kv_cache = torch.zeros(2, len(layers), num_blocks + 1, *block, dtype=kv_dtype,
                                     device=self.device)
         if self.rank == 0:
             logger.info(f"KV cache: {num_blocks} blocks of {self.block_size} tokens, "

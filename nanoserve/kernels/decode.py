@@ -114,16 +114,22 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     inputs run the products in TF32). No host sync, grid from shapes only: safe in a CUDA graph.
     """
     (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
-    if not use_triton(q):  # the CPU: every context gathered, padded to the longest, masked; SDPA
-        pos = torch.arange(triton.cdiv(int(context_lens.max()), B) * B, device=q.device)  # (L,)
-        valid = pos < context_lens[:, None]  # (S, L); padding past a context is zeroed: no NaN
-        slots = block_tables[:, pos // B].clamp(min=0).long() * B + pos % B  # (S, L)
-        k, v = (cache.view(-1, Hkv, D)[slots].float().masked_fill(~valid[..., None, None], 0)
-                for cache in (k_cache, v_cache))  # (S, L, Hkv, D)
-        out = F.scaled_dot_product_attention(q[:, :, None].float(), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=valid[:, None, None],
-                                             scale=scale, enable_gqa=True)  # (S, H, 1, D)
-        return out[:, :, 0].to(q.dtype)
+    if not use_triton(q):  # the CPU: each sequence's context gathered once, its rows its queries
+        # consecutive rows with one block table are one sequence's (its drafts, with speculation)
+        new = torch.ones(S, dtype=torch.bool)  # (S,): a row that starts a sequence
+        new[1:] = (block_tables[1:] != block_tables[:-1]).any(1)
+        seq, pos = new.cumsum(0) - 1, torch.arange(triton.cdiv(int(context_lens.max()), B) * B)
+        row = torch.arange(S) - new.nonzero()[:, 0][seq]  # (S,): the row's place in its sequence
+        slots = block_tables[new][:, pos // B].clamp(min=0).long() * B + pos % B  # (U, L)
+        # (U, L, Hkv, D); slots past a context hold finite values (the cache starts zeroed)
+        k, v = (cache.view(-1, Hkv, D)[slots].float() for cache in (k_cache, v_cache))
+        queries = torch.zeros(len(slots), int(row.max()) + 1, H, D)  # (U, R, H, D)
+        mask = torch.zeros(len(slots), 1, queries.shape[1], len(pos), dtype=torch.bool)  # (U,1,R,L)
+        queries[seq, row], mask[seq, 0, row] = q.float(), pos < context_lens[:, None]
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=mask, scale=scale,
+                                             enable_gqa=True)  # (U, H, R, D); empty rows: NaN
+        return out.transpose(1, 2)[seq, row].to(q.dtype)
     _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     out = q.new_empty(S, H, D)  # (S, H, D)
     tile = TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else TILE_TOKENS
