@@ -13,4 +13,3 @@ def __getattr__(name: str) -> type:
     if name != "GuidedDecodingParams":
         raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
     return extension("guided").GuidedDecodingParams
-

@@ -95,7 +95,6 @@ class Timeline(StepObserver):
     def on_tokens(self, batch: Batch, out: object, token_ids: list[int]) -> None:
         self.num_sampled += len(token_ids)  # speculation records a step's tokens in rounds
 
-
     def on_abort(self, seq: Sequence) -> None:
         """A request aborted between steps (LLMEngine.abort_request) ends at the last column."""
         if (row := self.rows.get(seq.seq_id)) is not None and row.finish is None:
