@@ -1,10 +1,11 @@
 """The OpenAI-compatible server against the official `openai` client, on the CPU.
 
-One server (`python -m nanoserve.server` in a subprocess, the default model, an API key) is shared
-by the module; requests are greedy and short. The last test starts a second server on a tiny
-random Qwen3 with two tensor-parallel ranks, so that shutdown has worker processes and shared
-memory to clean up, and sends it SIGTERM mid-stream: the stream must still finish, the process
-exit 0, and nothing it had mapped in /dev/shm be left behind.
+One server (`python -m nanoserve.server` in a subprocess, the default model, two data-parallel
+replicas, an API key) is shared by the module; requests are greedy and short. The fault tests
+start servers on a tiny random Qwen3: one whose replica is killed mid-request, one with a replica
+started on its own (headless) that connects over TCP, and one with two tensor-parallel ranks, so
+that shutdown has worker processes and shared memory to clean up, sent SIGTERM mid-stream: the
+stream must still finish, the process exit 0, and no child process or /dev/shm file be left.
 """
 import argparse
 import asyncio
@@ -22,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Literal
 
@@ -35,9 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from nanoserve.config import Config
-from nanoserve.llm_engine import RequestOutput
-from nanoserve.server import cli, engine_loop
-from nanoserve.server.metrics import Metrics
+from nanoserve.server import cli
 from nanoserve.weights import default_model_dir
 
 pytestmark = pytest.mark.slow
@@ -47,8 +45,13 @@ MODEL = "SmolLM2-135M-Instruct"  # the served name of the default model: its dir
 START_TIMEOUT_S = 180
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-NUM_STREAMS = 10  # concurrent streams; the test wants steps that batched more than 8
+NUM_STREAMS = 10  # concurrent streams, 5 per replica; the test wants steps that batched 5
 GREEDY = dict(model=MODEL, temperature=0, max_tokens=12)
+TOTAL = '{"replica": "total"}'  # the label of a gauge's sum over the replicas
+
+
+def replica(rank: int) -> str:
+    return json.dumps({"replica": str(rank)})
 
 
 class Server:
@@ -103,7 +106,7 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    server = start_server()
+    server = start_server("--data-parallel-size", "2")
     yield server
     stop_server(server)
 
@@ -166,15 +169,41 @@ def test_concurrent_streams_are_batched(server):
                                       max_retries=0) as client:
             return await asyncio.gather(*(one(client, i) for i in range(NUM_STREAMS)))
 
-    bucket = 'nanoserve_iteration_num_requests_bucket{"le": "8.0"}'
+    bucket = 'nanoserve_iteration_num_requests_bucket{"le": "4.0"}'
     before = server.metrics()
     results = asyncio.run(all_at_once())
     after = server.metrics()
     assert all(text and n == 16 for text, n in results)
-    # steps in which more than 8 requests advanced together: +Inf's count minus le=8's
+    # steps in which more than 4 requests advanced together: +Inf's count minus le=4's
     big_steps = [m['nanoserve_iteration_num_requests_bucket{"le": "+Inf"}'] - m[bucket]
                  for m in (before, after)]
     assert big_steps[1] - big_steps[0] >= 8, "the streams were not decoded in one batch"
+
+
+def open_streams(server: Server, n: int) -> list:
+    """n long streams, each read until its first chunk: all n are running."""
+    client, streams = server.client(), []
+    for i in range(n):
+        streams.append(client.completions.create(model=MODEL, prompt=[i + 1, 2, 3],
+                                                 max_tokens=1000, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+        next(iter(streams[-1]))
+    return streams
+
+
+def test_both_replicas_serve(server):
+    """Requests go to the least loaded replica: four at once run two on each; closing the
+    streams aborts them in their replicas."""
+    aborted = server.metrics()["nanoserve_num_aborted_requests_total"]
+    streams = open_streams(server, 4)
+    m = server.metrics()
+    assert m["nanoserve_num_requests_running" + replica(0)] == 2
+    assert m["nanoserve_num_requests_running" + replica(1)] == 2
+    assert m["nanoserve_num_requests_running" + TOTAL] == 4
+    for stream in streams:
+        stream.close()
+    m = wait_until_idle(server, aborted + 3)
+    assert m["nanoserve_num_aborted_requests_total"] == aborted + 4
 
 
 def test_stop_strings(server):
@@ -204,36 +233,6 @@ def test_logprobs(server, tokenizer):
     assert "".join(t.token for t in content).startswith(chat.message.content)
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
                for t in content)
-
-
-def test_many_streams_share_the_events_of_a_step():
-    """Past EVENTS_PER_STEP requests in a step, each gets its outputs every few steps, several
-    at once; first and last outputs go at once. (The engine loop alone, with a fake engine.)"""
-    n = 2 * engine_loop.EVENTS_PER_STEP  # so each request's turn comes every 2 steps
-    blocks = types.SimpleNamespace(num_free_blocks=1, blocks=[None], num_allocated=0, num_freed=0,
-                                   num_hits=0)  # what extensions.stats reads
-    engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(
-        waiting=[], running=[], num_preemptions=0, block_manager=blocks), extensions={})
-    loop = engine_loop.EngineLoop(engine, Metrics())
-    sent: list[list] = []  # each step's (queue, outputs) pairs handed to the event loop
-    loop.event_loop = types.SimpleNamespace(call_soon_threadsafe=lambda fn, pairs: sent.append(
-        pairs))
-    loop.requests = {i: engine_loop.Request([1], None, None, i) for i in range(n)}
-
-    def step(k: int, finish: bool = False) -> None:
-        loop._deliver([RequestOutput(i, "x", [7], None, "length" if finish else None, 1, 0, k)
-                       for i in range(n)])
-
-    step(1)
-    step(2)
-    step(3)
-    step(4, finish=True)
-    assert [len(pairs) for pairs in sent] == [n, n // 2, n // 2, n]
-    got = {i: [] for i in range(n)}
-    for pairs in sent:
-        for queue, outputs in pairs:  # the fake's queue slot holds the request id
-            got[queue] += [out.num_output_tokens for out in outputs]
-    assert all(tokens == [1, 2, 3, 4] for tokens in got.values()) and not loop.requests
 
 
 # ---- flags -------------------------------------------------------------------------------------
@@ -383,7 +382,7 @@ def wait_until_idle(server: Server, aborted_before: float) -> dict[str, float]:
     while time.monotonic() < deadline:
         m = server.metrics()
         if (m["nanoserve_num_aborted_requests_total"] > aborted_before
-                and m["nanoserve_num_requests_running"] == 0):
+                and m["nanoserve_num_requests_running" + TOTAL] == 0):
             return m
         time.sleep(0.05)
     raise AssertionError(f"the request was not aborted: {m}")
@@ -400,17 +399,18 @@ def test_disconnect_aborts_the_request(server, stream):
                           headers=headers) as r:
             events = r.iter_lines()
             assert [next(events) for _ in range(5)][4].startswith("data: ")
-            assert server.metrics()["nanoserve_kv_cache_usage_perc"] > 0
+            assert server.metrics()["nanoserve_kv_cache_usage_perc" + TOTAL] > 0
     else:  # give up waiting for the whole answer
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=1.0)
     m = wait_until_idle(server, aborted)
-    assert m["nanoserve_kv_cache_usage_perc"] == 0  # the blocks are free
+    assert m["nanoserve_kv_cache_usage_perc" + TOTAL] == 0  # the blocks are free
 
 
 def test_metrics(server):
     m = server.metrics()
-    for name in ("nanoserve_num_requests_waiting", "nanoserve_prefix_cache_hit_tokens_total",
+    for name in ("nanoserve_num_requests_waiting" + TOTAL, 'nanoserve_replica_up{"replica": "1"}',
+                 "nanoserve_prefix_cache_hit_tokens_total",
                  "nanoserve_generation_tokens_total",
                  "nanoserve_time_to_first_token_seconds_count",
                  "nanoserve_inter_token_latency_seconds_count"):
@@ -490,9 +490,8 @@ def test_guided_decoding(server):
 
 # ---- shutdown (last: it stops the module's server) -------------------------------------------
 def shm_files(pid: int) -> set[str]:
-    """/dev/shm files that a process or its children have mapped or open."""
-    pids = [str(pid)] + subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                       text=True).stdout.split()
+    """/dev/shm files that a process or its descendants have mapped or open."""
+    pids = [pid, *descendants(pid)]
     found = set()
     for p in pids:
         try:
@@ -505,18 +504,98 @@ def shm_files(pid: int) -> set[str]:
     return {f.removesuffix(" (deleted)") for f in found}
 
 
-@pytest.fixture
-def tp_server(tmp_path):
-    """A tiny random Qwen3 (4 heads, 2 KV heads, vocab 1001) with the default model's tokenizer,
-    served by two tensor-parallel ranks: they talk through shared memory."""
+def tiny_model(path: Path) -> str:
+    """A tiny random Qwen3 (4 heads, 2 KV heads, vocab 1001) with the default model's tokenizer."""
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1001,
                       max_position_embeddings=4096, initializer_range=0.2)
-    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(default_model_dir(), name), tmp_path)
-    server = start_server("--model", str(tmp_path), "--served-model-name", MODEL,
+        shutil.copy(os.path.join(default_model_dir(), name), path)
+    return str(path)
+
+
+def descendants(pid: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [d for c in map(int, children.split()) for d in (c, *descendants(c))]
+
+
+def replica_pids(server: Server) -> list[int]:
+    """The replicas' processes (spawned: not multiprocessing's resource tracker)."""
+    return [pid for pid in descendants(server.proc.pid)
+            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
+    """A replica killed mid-request: its stream ends with an error event and its plain request
+    with a 500, within a second; new requests get a 503, /health fails; SIGTERM still exits 0."""
+    server = start_server("--model", tiny_model(tmp_path), "--served-model-name", MODEL)
+    try:
+        [stream] = open_streams(server, 1)
+        errors = {}
+
+        def plain() -> None:
+            try:
+                server.client().completions.create(model=MODEL, prompt=[4, 5], max_tokens=2000,
+                                                   extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                errors["plain"] = (e.status_code, e.body, time.monotonic())
+
+        waiting = threading.Thread(target=plain)
+        waiting.start()
+        while server.metrics()["nanoserve_num_requests_running" + TOTAL] < 2:
+            time.sleep(0.05)
+        [pid] = replica_pids(server)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError, match="replica 0"):
+            for _ in stream:
+                pass
+        waiting.join(5)
+        status, body, when = errors["plain"]
+        assert status == 500 and "replica 0" in body["message"] and when - killed < 1.0
+        assert time.monotonic() - killed < 1.5
+        with pytest.raises(openai.APIStatusError) as e:
+            server.client().completions.create(model=MODEL, prompt=[4, 5], max_tokens=4)
+        assert e.value.status_code == 503
+        assert_openai_error(e.value.body, None)
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        assert server.metrics()['nanoserve_replica_up{"replica": "0"}'] == 0
+    finally:
+        stop_server(server)
+    assert server.proc.returncode == 0, server.log.read_text()
+
+
+def test_a_headless_replica_connects_over_tcp(tmp_path):
+    """`--headless` runs one replica on its own; the API server (one replica of its own, two in
+    all) waits for it at its TCP port, routes to both, and stops both on SIGTERM."""
+    model, port = tiny_model(tmp_path), free_port()
+    dp = ["--data-parallel-size", "2", "--data-parallel-rpc-port", str(port)]
+    with open(tmp_path / "headless.log", "w") as out:
+        headless = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve.server", "--headless", "--data-parallel-rank", "1",
+             "--model", model, "--device", "cpu", *dp], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        server = start_server("--model", model, "--served-model-name", MODEL,
+                              "--data-parallel-size-local", "1", *dp)
+        streams = open_streams(server, 2)
+        m = server.metrics()
+        assert m["nanoserve_num_requests_running" + replica(0)] == 1
+        assert m["nanoserve_num_requests_running" + replica(1)] == 1
+        for stream in streams:
+            stream.close()
+        stop_server(server)
+        assert server.proc.returncode == 0, server.log.read_text()
+        assert headless.wait(timeout=30) == 0, (tmp_path / "headless.log").read_text()
+    finally:
+        headless.kill()
+
+
+@pytest.fixture
+def tp_server(tmp_path):
+    """The tiny Qwen3 served by two tensor-parallel ranks: they talk through shared memory."""
+    server = start_server("--model", tiny_model(tmp_path), "--served-model-name", MODEL,
                           "--tensor-parallel-size", "2")
     yield server
     stop_server(server)
@@ -524,8 +603,9 @@ def tp_server(tmp_path):
 
 def test_sigterm_drains_and_exits_0(tp_server):
     server = tp_server
-    shm = shm_files(server.proc.pid)
+    shm, children = shm_files(server.proc.pid), descendants(server.proc.pid)
     assert shm, "TP ranks talk through shared memory: the check below would see nothing"
+    assert len(children) >= 3, "a replica and its TP worker: the check below would see nothing"
     client, started, result = server.client(), threading.Event(), {}
 
     def stream() -> None:
@@ -544,3 +624,15 @@ def test_sigterm_drains_and_exits_0(tp_server):
     assert result["finish_reason"] == "length"  # the stream was drained, not cut
     assert server.proc.wait(timeout=60) == 0, server.log.read_text()
     assert not [f for f in shm if os.path.exists(f)], "shared memory left behind"
+    deadline = time.monotonic() + 5  # multiprocessing's resource trackers exit after their parents
+    while (left := [pid for pid in children if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

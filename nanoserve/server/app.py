@@ -1,10 +1,12 @@
-"""The FastAPI app: OpenAI's routes on top of an EngineLoop.
+"""The FastAPI app: OpenAI's routes on top of an EngineClient.
 
-A handler checks the key and the model name, turns the body into SamplingParams and a prompt
-(protocol.py), submits it to the engine loop and then either streams its deltas as server-sent
-events (`data: {chunk}` lines, then `data: [DONE]`) or gathers them into one response. Handlers
-never call the model. Every client error leaves as an OpenAI error body with a 4xx. The lifespan
-starts the engine loop and, after uvicorn has drained the connections, stops it and the engine.
+A handler checks the key and the model name, turns the body into SamplingParams and prompt token
+ids (protocol.py, the tokenizer), submits them to a replica through the engine client and then
+either streams its deltas as server-sent events (`data: {chunk}` lines, then `data: [DONE]`) or
+gathers them into one response. Every client error leaves as an OpenAI error body with a 4xx; a
+replica that goes down mid-request ends it with a 500 body (in a stream: an `error` event). The
+lifespan starts the replicas and waits for them before the port opens and, after uvicorn has
+drained the connections, stops them.
 """
 import asyncio
 import json
@@ -19,9 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.config import SamplingParams
-from nanoserve.llm_engine import LLMEngine
-from nanoserve.server.engine_loop import EVENTS_PER_STEP, EngineLoop, RequestStream
-from nanoserve.server.metrics import Metrics
+from nanoserve.server.engine_client import EngineClient, RequestStream
 from nanoserve.server.protocol import (
     COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -37,40 +37,40 @@ from nanoserve.server.protocol import (
 CLIENT_CLOSED = 499  # nginx's status for a client that left: nobody reads it
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
-              events_per_step: int = EVENTS_PER_STEP) -> FastAPI:
-    """The server's routes around one engine, served under `model_name`."""
-    loop = EngineLoop(engine, Metrics(), events_per_step)
-
+def build_app(client: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The server's routes around the engine client's replicas, served under `model_name`."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loop.start(asyncio.get_running_loop())
+        await client.start()
         yield
-        await asyncio.to_thread(loop.stop)  # joins the loop thread: off the event loop
+        await client.stop()
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     add_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if down := [r.rank for r in client.replicas if not r.up]:
+            error = OpenAIError(503, f"engine replicas {down} of {len(client.replicas)} are down")
+            return JSONResponse(error.body(), status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_routes(loop, model_name, api_key))
+    app.include_router(openai_routes(client, model_name, api_key))
     return app
 
 
-def openai_routes(loop: EngineLoop, model_name: str, api_key: str | None) -> APIRouter:
+def openai_routes(client: EngineClient, model_name: str, api_key: str | None) -> APIRouter:
     """/v1/models, /v1/completions and /v1/chat/completions, behind the API key if one is set."""
-    engine, v1 = loop.engine, APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(key_check(api_key))])
 
     @v1.get("/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
-                "max_model_len": engine.config.max_model_len}
+                "max_model_len": client.max_model_len}
         return {"object": "list", "data": [card]}
 
     @v1.post("/completions")
@@ -78,21 +78,21 @@ def openai_routes(loop: EngineLoop, model_name: str, api_key: str | None) -> API
         check_model(body.model, model_name)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
-        stream = await submit(loop, body.single_prompt(), params, body)
-        completion = Completion(ResponseHead("completion", model_name), engine.tokenizer,
+        stream = await submit(client, body.single_prompt(), params, body)
+        completion = Completion(ResponseHead("completion", model_name), client.tokenizer,
                                 body.logprobs)
         return await respond(completion, stream, body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
-        prompt = chat_prompt(engine, body)
+        prompt = chat_prompt(client.tokenizer, body)
         limit = body.max_tokens if body.max_completion_tokens is None else (
             body.max_completion_tokens)
-        max_tokens = room_left(engine, prompt) if limit is None else limit
+        max_tokens = room_left(client.max_model_len, prompt) if limit is None else limit
         logprobs = body.engine_logprobs()
-        stream = await submit(loop, prompt, body.sampling_params(max_tokens, logprobs), body)
-        chat = ChatCompletion(ResponseHead("chat", model_name), engine.tokenizer, logprobs)
+        stream = await submit(client, prompt, body.sampling_params(max_tokens, logprobs), body)
+        chat = ChatCompletion(ResponseHead("chat", model_name), client.tokenizer, logprobs)
         return await respond(chat, stream, body, request)
 
     return v1
@@ -176,32 +176,34 @@ def check_model(asked: str, served: str) -> None:
                                f"'{served}' (see GET /v1/models)", "model", "model_not_found")
 
 
-def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, ending where the assistant's turn starts."""
     if not body.messages:
         raise OpenAIError(400, "messages is empty: send at least one {'role': 'user', "
                                "'content': ...}", "messages", "invalid_value")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
 
 
-async def submit(loop: EngineLoop, prompt: str | list[int], params: SamplingParams,
+async def submit(client: EngineClient, prompt: str | list[int], params: SamplingParams,
                  body: CompletionRequest | ChatCompletionRequest) -> RequestStream:
-    """The request into the engine; the engine's refusal of the prompt (empty, outside the
-    vocabulary, past max_model_len) is a 400 that blames the prompt's field."""
+    """The request, tokenized, into a replica; the engine's refusal of the prompt (empty, outside
+    the vocabulary, past max_model_len) is a 400 that blames the prompt's field."""
+    if isinstance(prompt, str):
+        prompt = client.tokenizer.encode(prompt)
     try:
-        return await loop.submit(prompt, params)
+        return await client.submit(prompt, params)
     except ValueError as e:
         raise OpenAIError(400, str(e), body.prompt_param) from e
 
 
-def room_left(engine: LLMEngine, prompt: list[int]) -> int:
+def room_left(max_model_len: int, prompt: list[int]) -> int:
     """Chat's default max_tokens: whatever the context has left after the prompt."""
-    room = engine.config.max_model_len - len(prompt)
+    room = max_model_len - len(prompt)
     if room < 1:
         raise OpenAIError(400, f"the conversation is {len(prompt)} tokens, which fills "
-                               f"max_model_len={engine.config.max_model_len}: shorten it",
+                               f"max_model_len={max_model_len}: shorten it",
                           "messages", "context_length_exceeded")
     return room
 
@@ -259,14 +261,19 @@ async def respond(shape: Completion, stream: RequestStream,
 async def sse(shape: Completion, stream: RequestStream,
               options: StreamOptions) -> AsyncIterator[str]:
     """Server-sent events: one `data:` line per delta. A client that leaves cancels this
-    generator (Starlette watches the socket), and leaving RequestStream aborts the request."""
+    generator (Starlette watches the socket), and leaving RequestStream aborts the request. A
+    replica that goes down ends the stream with an `error` event (the status went out already)."""
     if (first := shape.first_chunk()) is not None:
         yield event(first)
     last = Delta()
-    async for delta in stream:  # its counts are the request's so far
-        usage = delta.usage() if options.continuous_usage_stats else None
-        yield event(shape.head.wrap([shape.choice(delta, chunk=True)], usage, chunk=True))
-        last = delta
+    try:
+        async for delta in stream:  # its counts are the request's so far
+            usage = delta.usage() if options.continuous_usage_stats else None
+            yield event(shape.head.wrap([shape.choice(delta, chunk=True)], usage, chunk=True))
+            last = delta
+    except OpenAIError as e:
+        yield event(e.body())
+        return
     if options.include_usage:
         yield event(shape.head.wrap([], last.usage(), chunk=True))
     yield "data: [DONE]\n\n"

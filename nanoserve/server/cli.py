@@ -1,40 +1,41 @@
-"""`python -m nanoserve.server`: parse the flags, load the engine, serve it with uvicorn.
+"""`python -m nanoserve.server`: parse the flags, start the engine replicas, serve with uvicorn.
 
 Every Config field (except `model`) is a flag, generated from the dataclass, so a new engine
-setting is a server flag at once; a flag left out keeps Config's default. The engine loads before
-the port opens, so a client can poll GET /health. SIGTERM or SIGINT: uvicorn stops accepting,
-lets in-flight requests finish (up to --shutdown-timeout, then aborts them), the lifespan stops
-the engine, and the process exits 0.
+setting is a server flag at once; a flag left out keeps Config's default. The API server starts
+--data-parallel-size engine-core processes (engine_core.py), each on GPUs of its own, or fewer
+(--data-parallel-size-local) and waits for the others to connect: `--headless` runs one replica
+alone, on this machine or another, connecting to the API server's --data-parallel-address and
+--data-parallel-rpc-port. Every replica loads before the port opens, so a client can poll
+GET /health. SIGTERM or SIGINT: uvicorn stops accepting, lets in-flight requests finish (up to
+--shutdown-timeout, then ends them), the lifespan stops the replicas, and the process exits 0.
 """
 import argparse
-import ast
-import inspect
-import io
 import json
 import logging
+import multiprocessing as mp
 import os
 import signal
-import sys
-import textwrap
-import tokenize
+import socket
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
+from multiprocessing.process import BaseProcess
 
+import torch
 import uvicorn
+from simple_parsing.docstring import get_attribute_docstring
+from transformers import AutoTokenizer
 
 from nanoserve.config import DTYPES, Config
-from nanoserve.llm_engine import LLMEngine
+from nanoserve.server import engine_core
 from nanoserve.server.app import build_app
-from nanoserve.server.engine_loop import EVENTS_PER_STEP
+from nanoserve.server.engine_client import EngineClient
+from nanoserve.server.metrics import Metrics
+from nanoserve.weights import default_model_dir
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 SHUTDOWN_TIMEOUT_S = 30  # how long in-flight requests may run on after SIGTERM
-# A thread waiting for the GIL takes it from a busy one only after this interval (Python's
-# default: 5 ms). The engine thread waits for it after every step's GPU sync, so while the event
-# loop is busy streaming, the default would add up to 5 ms to a step of a few milliseconds.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 # ---- engine settings as flags -------------------------------------------------------------------
@@ -42,29 +43,11 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 CHOICES = {"dtype": ("auto", *DTYPES)}
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """The comment of each field of a dataclass, read with ast and tokenize: the one trailing
-    the field's line (`name: type = default  # comment`), else the comment lines just above it."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source (a frozen app): the flags go without help
-        return {}
-    lines = source.splitlines()
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT}
-    # comment lines of their own, not the trailing comment of the field above
-    alone = {n: text for n, text in comments.items() if lines[n - 1].lstrip().startswith("#")}
-    found = {}
-    for node in ast.parse(source).body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            above = []
-            while node.lineno - len(above) - 1 in alone:
-                above.insert(0, alone[node.lineno - len(above) - 1])
-            text = comments.get(node.end_lineno) or " ".join(above)
-            if text:
-                found[node.target.id] = text
-    return found
+def field_help(cls: type, name: str) -> str:
+    """A dataclass field's comment, read from its source by simple_parsing: the one trailing the
+    field's line (`name: type = default  # comment`), else the comment lines just above it."""
+    doc = get_attribute_docstring(cls, name)
+    return doc.comment_inline or doc.comment_above
 
 
 def parse_optional(kind: Callable[[str], object]) -> Callable[[str], object]:
@@ -101,13 +84,13 @@ def add_config_flags(parser: argparse._ActionsContainer, cls: type,
     """One --flag per field of the dataclass cls (dashes for underscores), its help the field's
     metadata["help"], else its comment, else its name; the names of the fields added. A flag left
     out stays out of the namespace (SUPPRESS), so the dataclass's own default applies."""
-    hints, comments, names = typing.get_type_hints(cls), field_comments(cls), []
+    hints, names = typing.get_type_hints(cls), []
     for f in fields(cls):
         if f.name in skip or not f.init:
             continue
         default = (f.default if f.default is not MISSING else
                    f.default_factory() if f.default_factory is not MISSING else None)
-        text = f.metadata.get("help") or comments.get(f.name) or f.name.replace("_", " ")
+        text = f.metadata.get("help") or field_help(cls, f.name) or f.name.replace("_", " ")
         kwargs = flag_kwargs(hints[f.name])
         if choices := f.metadata.get("choices", CHOICES.get(f.name)):
             kwargs["choices"] = choices
@@ -120,29 +103,41 @@ def add_config_flags(parser: argparse._ActionsContainer, cls: type,
     return names
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+@dataclass
+class ServerArgs:
+    """The server's own flags (the engine's are Config's)."""
+    model: str | None = None  # Hugging Face model directory (None: the packaged SmolLM2)
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    # the name clients pass as `model` (None: the model directory's name, SmolLM2-135M-Instruct)
+    served_model_name: str | None = None
+    api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1 routes
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # seconds in-flight requests get after SIGTERM
+    log_level: str = "info"
+    # engine replicas, each on GPUs of its own (--tensor-parallel-size each); a request goes to
+    # the least loaded
+    data_parallel_size: int = 1
+    # replicas this server starts (None: all); the others run --headless and connect to it
+    data_parallel_size_local: int | None = None
+    data_parallel_address: str = "127.0.0.1"  # where the replicas reach the API server
+    # the port they connect to (None: a free one; set it for --headless replicas)
+    data_parallel_rpc_port: int | None = None
+    # run one engine replica, no HTTP: it connects to the API server at
+    # --data-parallel-address:--data-parallel-rpc-port
+    headless: bool = False
+    data_parallel_rank: int = 0  # with --headless: which replica this is, 0 .. size - 1
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, dict]:
     """The server's own flags, and the Config settings given on the command line."""
     parser = argparse.ArgumentParser(prog="python -m nanoserve.server",
                                      description="An OpenAI-compatible server for nanoserve.")
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face model directory (default: the packaged SmolLM2)")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` (default: the model directory's "
-                             "name, e.g. SmolLM2-135M-Instruct)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes")
-    parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
-                        help="seconds in-flight requests may finish after SIGTERM")
-    parser.add_argument("--events-per-step", type=int, default=EVENTS_PER_STEP,
-                        help="server-sent events per engine step, about: more requests share "
-                             "them in turns, several tokens an event (0: one per output)")
-    parser.add_argument("--log-level", default="info")
+    own = add_config_flags(parser, ServerArgs)
     config = parser.add_argument_group("engine settings (nanoserve.config.Config)")
     names = add_config_flags(config, Config, skip=("model",))  # --model is the server's own
-    args = parser.parse_args(argv)
-    return args, {k: v for k, v in vars(args).items() if k in names}
+    args = vars(parser.parse_args(argv))
+    return (ServerArgs(**{k: v for k, v in args.items() if k in own}),
+            {k: v for k, v in args.items() if k in names})
 
 
 def exit_quietly(signum: int, frame: object) -> None:
@@ -150,15 +145,48 @@ def exit_quietly(signum: int, frame: object) -> None:
     in place, so a drained shutdown ends with exit code 0, not a KeyboardInterrupt or -15."""
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_processes(args: ServerArgs, model: str, settings: dict,
+                      address: str) -> list[BaseProcess | None]:
+    """The replicas' processes, not started: the first --data-parallel-size-local run here, each
+    on GPUs of its own (on the CPU: on a share of the cores); None for those started elsewhere."""
+    size = args.data_parallel_size
+    local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
+    tp = settings.get("tensor_parallel_size", 1)
+    gpus = [] if settings.get("device") == "cpu" or not torch.cuda.is_available() else (
+        os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+        .split(","))
+    if gpus and local * tp > len(gpus):
+        raise SystemExit(f"{local} replicas of {tp} GPUs each need {local * tp} GPUs, "
+                         f"{len(gpus)} are visible: lower --data-parallel-size(-local) or "
+                         "--tensor-parallel-size")
+    threads = None if gpus else max(1, torch.get_num_threads() // max(local, 1))
+    spawn = mp.get_context("spawn")  # a fresh interpreter: CUDA is set up in the child
+    return [spawn.Process(target=engine_core.run, name=f"nanoserve-replica-{rank}", args=(
+        address, rank, model, settings, ",".join(gpus[rank * tp:(rank + 1) * tp]) or None,
+        threads)) if rank < local else None for rank in range(size)]
+
+
 def main(argv: list[str] | None = None) -> None:
     args, settings = parse_args(argv)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(args.model, **settings)
-    name = args.served_model_name or os.path.basename(os.path.normpath(engine.config.model))
-    app = build_app(engine, name, args.api_key, args.events_per_step)
+    address = f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port or free_port()}"
+    if args.headless:
+        engine_core.run(address, args.data_parallel_rank, args.model, settings, headless=True)
+        return
+    model = args.model or default_model_dir()  # the default model, converted here once
+    processes = replica_processes(args, model, settings, address)
+    client = EngineClient(AutoTokenizer.from_pretrained(model), address, processes, Metrics())
+    name = args.served_model_name or os.path.basename(os.path.normpath(model))
+    app = build_app(client, name, args.api_key)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, exit_quietly)
-    logging.getLogger("nanoserve.server").info(f"serving {engine.config.model} as '{name}'")
+    logging.getLogger("nanoserve.server").info(
+        f"serving {model} as '{name}' with {args.data_parallel_size} replica(s)")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)

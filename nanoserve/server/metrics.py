@@ -1,14 +1,14 @@
 """Prometheus metrics of the server, served at GET /metrics in the text format.
 
-The engine loop thread writes them (after each command and each step, since only it may read the
-engine's queues and blocks); a scrape reads them from the event loop, which prometheus_client
-allows. Each server gets its own registry, so two servers in one process (tests) do not clash.
-Names follow vLLM's (`vllm:` becomes `nanoserve_`); counters get prometheus_client's `_total`.
+The API server's receiving task writes them as the replicas' messages come in: the timings when a
+request's tokens arrive, the gauges from each replica's report of its queues and blocks, each with
+a `replica` label: the replica's rank, or "total" for them all. Each server gets its own registry,
+so two servers in one process (tests) do not clash. Names follow vLLM's (`vllm:` becomes
+`nanoserve_`); counters get prometheus_client's `_total`.
 """
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from nanoserve.extensions.stats import scheduler_stats
-from nanoserve.llm_engine import LLMEngine, RequestOutput
+from nanoserve.llm_engine import RequestOutput
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -17,18 +17,19 @@ STEP_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SPEC_COUNTERS = {"num_drafts": "Sequence-steps that proposed draft tokens (speculative decoding)",
                  "num_draft_tokens": "Draft tokens proposed",
                  "num_accepted_tokens": "Draft tokens accepted"}
+GAUGES = {  # per replica (label: its rank, or "total"): name -> (help, its value from a load)
+    "replica_up": ("1 while the replica serves, else 0", None),
+    "num_requests_running": ("Requests in the running queue (decoding)", "num_running"),
+    "num_requests_waiting": ("Requests in the waiting queue (not started, preempted or part-way "
+                             "through a chunked prefill)", "num_waiting"),
+    "kv_cache_usage_perc": ("Share of KV blocks held by requests, 0..1", "usage")}
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.num_running = Gauge("nanoserve_num_requests_running",
-                                 "Requests in the running queue (decoding)", registry=r)
-        self.num_waiting = Gauge("nanoserve_num_requests_waiting",
-                                 "Requests in the waiting queue (not started, preempted or "
-                                 "part-way through a chunked prefill)", registry=r)
-        self.kv_usage = Gauge("nanoserve_kv_cache_usage_perc",
-                              "Share of KV blocks held by requests, 0..1", registry=r)
+        self.gauges = {name: Gauge(f"nanoserve_{name}", help, ["replica"], registry=r)
+                       for name, (help, _) in GAUGES.items()}
         self.prompt_tokens = Counter("nanoserve_prompt_tokens", "Prompt tokens of started "
                                      "requests", registry=r)
         self.prefix_hit_tokens = Counter("nanoserve_prefix_cache_hit_tokens",
@@ -48,21 +49,28 @@ class Metrics:
                              buckets=E2E_BUCKETS_S, registry=r)
         self.spec = {name: Counter(f"nanoserve_spec_decode_{name}", help, registry=r)
                      for name, help in SPEC_COUNTERS.items()}
-        self.spec_seen = dict.fromkeys(SPEC_COUNTERS, 0)  # the engine's totals at the last look
+        self.spec_seen: dict[int, dict] = {}  # per replica: its totals at the last look
         self.step_size = Histogram("nanoserve_iteration_num_requests",
                                    "Requests that advanced in one engine step (the batch)",
                                    buckets=STEP_SIZE_BUCKETS, registry=r)
 
-    def observe_engine(self, engine: LLMEngine) -> None:
-        """Queue lengths and KV usage, as the engine holds them now (extensions.stats)."""
-        stats = scheduler_stats(engine.scheduler)
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.kv_usage.set(1 - stats.num_free_blocks / max(stats.num_blocks, 1))
-        if (spec := engine.extensions.get("speculative")) is not None:  # its running totals:
-            for name, counter in self.spec.items():  # add what is new
-                counter.inc(getattr(spec.stats, name) - self.spec_seen[name])
-                self.spec_seen[name] = getattr(spec.stats, name)
+    def observe_load(self, replicas: list) -> None:
+        """Each replica's gauges as it last reported (0 while down), their totals, and what
+        its speculative decoding drafted since its last report."""
+        loads = {str(r.rank): {**r.load, "replica_up": r.up} for r in replicas}
+        loads["total"] = {key: sum(load.get(key, 0) for load in loads.values()) for key in
+                          ("replica_up", "num_running", "num_waiting", "num_free_blocks",
+                           "num_blocks")}
+        for label, load in loads.items():
+            load["usage"] = 1 - load.get("num_free_blocks", 0) / load.get("num_blocks", 0) if (
+                load.get("num_blocks")) else 0
+            for name, (_, key) in GAUGES.items():
+                self.gauges[name].labels(label).set(load.get(key or name, 0))
+        for replica in replicas:  # speculation's running totals: add what is new
+            seen = self.spec_seen.setdefault(replica.rank, dict.fromkeys(SPEC_COUNTERS, 0))
+            for name, count in replica.load.get("spec", {}).items():
+                self.spec[name].inc(max(count - seen[name], 0))
+                seen[name] = count
 
     def observe_output(self, out: RequestOutput, seconds: float, first: bool) -> None:
         """One request's output of a step: seconds since its arrival (first) or last output."""
@@ -76,14 +84,6 @@ class Metrics:
                 self.itl.observe(seconds / num_tokens)
         self.generation_tokens.inc(num_tokens)
 
-    def observe_finish(self, finish_reason: str, seconds: float) -> None:
-        self.num_finished.labels(finished_reason=finish_reason).inc()
-        self.e2e.observe(seconds)
-
-    def observe_step(self, num_requests: int, engine: LLMEngine) -> None:
-        if num_requests:
-            self.step_size.observe(num_requests)
-        self.observe_engine(engine)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
+

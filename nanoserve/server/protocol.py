@@ -3,7 +3,8 @@
 Owns the translation between JSON and the engine's types: a request body becomes SamplingParams
 (whose constructor validates the values), an engine output becomes a completion, a chat completion
 or one of their stream chunks, with `usage` and OpenAI-shaped `logprobs`. It knows no HTTP and no
-engine loop (app.py, engine_loop.py). Unknown fields are ignored, as OpenAI's clients send extras.
+engine client (app.py, engine_client.py). Unknown fields are ignored, as OpenAI's clients send
+extras.
 """
 import time
 import uuid

@@ -1,0 +1,246 @@
+"""EngineClient: the API server's side of its engine-core processes, one per data-parallel replica.
+
+The API server process owns HTTP, the tokenizer and the text; each replica's process owns an
+engine (engine_core.py). One ZMQ ROUTER socket, bound by the API server, talks to every replica
+(each connects a DEALER named by its rank). A handler's request is routed to the live replica
+with the least load, `(waiting + sent but not yet taken) * 4 + running` (the replicas report
+their queues after every step), under an id unique across replicas. One task on the event loop
+receives every replica's messages: it settles the handlers' futures (taken, or the engine's
+ValueError), detokenizes each request's new tokens, matches its stop strings (a hit aborts it in
+its replica) and puts the outputs into the request's queue, which RequestStream reads.
+
+Faults: a replica whose process ends (or, started on its own, is silent for SILENCE_S) is down:
+its requests end at once with a 500 error, new ones go to the other replicas, or get a 503 when
+none is up; GET /health fails while any is down. A replica that says ready again is back up.
+"""
+import asyncio
+import itertools
+import logging
+import pickle
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from multiprocessing.process import BaseProcess
+
+import zmq
+import zmq.asyncio
+from transformers import PreTrainedTokenizerBase
+
+from nanoserve.config import SamplingParams, extension
+from nanoserve.llm_engine import RequestOutput, TextStream
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.protocol import Delta, OpenAIError
+
+logger = logging.getLogger("nanoserve.server")
+SILENCE_S = 10.0  # a replica started on its own that says nothing this long is down
+WATCH_S = 0.1  # how often the replicas' processes are checked
+STOP_TIMEOUT_S = 30  # how long a replica may take to stop before it is killed
+
+
+@dataclass(eq=False)
+class Request:
+    """One request in the API server: its text so far, its queue of outputs for the handler."""
+    id: int
+    replica: "Replica"
+    text: TextStream  # the detokenizer (a StopStringStream with stop strings)
+    added: asyncio.Future  # the prompt's token count once a replica took it, or its refusal
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutputs, then None
+    # if aborted, or an OpenAIError if its replica went down
+    arrival: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)  # the output tokens so far
+    last_token: float | None = None  # when the last output arrived (TTFT, then ITL)
+
+
+@dataclass(eq=False)
+class Replica:
+    rank: int
+    process: BaseProcess | None  # None: started on its own (headless)
+    up: bool = False
+    requests: dict[int, Request] = field(default_factory=dict)  # by request id
+    load: dict = field(default_factory=dict)  # its last report: queues, blocks, speculation
+    num_unseen: int = 0  # requests sent that its last report did not count yet
+    last_heard: float = 0.0
+
+    def score(self) -> int:
+        return (self.load.get("num_waiting", 0) + self.num_unseen) * 4 + self.load.get(
+            "num_running", 0)
+
+
+class EngineClient:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, address: str,
+                 processes: list[BaseProcess | None], metrics: Metrics) -> None:
+        self.tokenizer, self.address, self.metrics = tokenizer, address, metrics
+        self.replicas = [Replica(rank, process) for rank, process in enumerate(processes)]
+        self.ids = itertools.count()
+        self.max_model_len = 0  # from the replicas' ready messages
+        self.stopping = False
+        self.tasks: list[asyncio.Task] = []
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind the socket, start the receiving and watching tasks, wait for every replica."""
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replica that reconnects takes over
+        self.socket.bind(self.address)
+        self.tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        for process in filter(None, (r.process for r in self.replicas)):
+            process.start()
+        while not all(r.up for r in self.replicas):
+            if dead := [r for r in self.replicas if r.process and r.process.exitcode is not None]:
+                raise RuntimeError(f"engine replica {dead[0].rank} exited with code "
+                                   f"{dead[0].process.exitcode} while loading: its error is above")
+            await asyncio.sleep(WATCH_S)
+
+    async def stop(self) -> None:
+        """Stop every replica (each aborts what it still runs and frees its engine), then the
+        tasks and the socket: no process, socket or shared memory is left."""
+        self.stopping = True
+        for replica in self.replicas:
+            self._send(replica, ("stop",))
+            self._down(replica, "stopped", status=503)
+        for process in filter(None, (r.process for r in self.replicas)):
+            await asyncio.to_thread(process.join, STOP_TIMEOUT_S)
+            if process.exitcode is None:
+                process.kill()
+        for task in self.tasks:
+            task.cancel()
+        self.socket.close(linger=0)
+        self.context.term()
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def submit(self, prompt: list[int], params: SamplingParams) -> "RequestStream":
+        """Send a request to the least-loaded replica; raise the engine's ValueError if it refuses
+        the prompt, OpenAIError(503) if no replica is up."""
+        up = [r for r in self.replicas if r.up]
+        if self.stopping or not up:
+            raise OpenAIError(503, "no engine replica is up (see GET /health): retry later")
+        replica = min(up, key=Replica.score)
+        stop = params.stop
+        text = (extension("stop_strings").StopStringStream(self.tokenizer, stop, streamed=True)
+                if stop else TextStream(self.tokenizer, streamed=True))
+        request = Request(next(self.ids), replica, text, asyncio.get_running_loop().create_future())
+        replica.requests[request.id] = request
+        replica.num_unseen += 1
+        self._send(replica, ("add", request.id, prompt, replace(params, stop=())))
+        try:
+            num_prompt_tokens = await request.added
+        except asyncio.CancelledError:  # the client left before the replica took it
+            self.abort(request)
+            raise
+        return RequestStream(self, request, num_prompt_tokens)
+
+    def abort(self, request: Request) -> None:
+        """End a request whose client left: its replica frees its blocks before its next step."""
+        if request.replica.requests.pop(request.id, None) is not None:
+            self._send(request.replica, ("abort", request.id))
+            self.metrics.num_aborted.inc()
+
+    def _send(self, replica: Replica, command: tuple) -> None:
+        if replica.up:  # a down replica's messages would wait for it in the socket
+            self.socket.send_multipart([str(replica.rank).encode(), pickle.dumps(command)])
+
+    # ---- what the replicas send -----------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            rank, data = await self.socket.recv_multipart()
+            replica, message = self.replicas[int(rank)], pickle.loads(data)
+            replica.last_heard = time.monotonic()
+            if message[0] == "ready":
+                self.max_model_len = message[1]["max_model_len"]
+                replica.up = not self.stopping
+                logger.info(f"engine replica {replica.rank} is up")
+                continue
+            _, added, outputs, replica.load = message
+            replica.num_unseen -= len(added)
+            for request_id, result in added:  # taken (its prompt's token count) or refused
+                request = replica.requests.get(request_id)
+                if request is None or request.added.done():  # its client left meanwhile
+                    continue
+                if isinstance(result, str):
+                    del replica.requests[request_id]
+                    request.added.set_exception(ValueError(result))
+                else:
+                    request.added.set_result(result)
+            self._deliver(replica, outputs)
+            self.metrics.observe_load(self.replicas)
+
+    def _deliver(self, replica: Replica, outputs: list[RequestOutput]) -> None:
+        """Text for each output, its stop strings matched, into its request's queue."""
+        now = time.perf_counter()
+        for out in outputs:
+            request = replica.requests.get(out.request_id)
+            if request is None:  # aborted, or stopped by a stop string, meanwhile
+                continue
+            request.token_ids += out.token_ids
+            request.text.update(request.token_ids, out.finish_reason is not None)
+            if getattr(request.text, "stopped", False):  # a stop string: the end, whatever came
+                if out.finish_reason is None:
+                    self._send(replica, ("abort", request.id))
+                out.finish_reason = "stop"
+            out.text = request.text.delta(out.finish_reason is not None)
+            first = request.last_token is None
+            self.metrics.observe_output(out, now - (request.last_token or request.arrival), first)
+            request.last_token = now
+            if out.finish_reason is not None:
+                del replica.requests[out.request_id]
+                self.metrics.num_finished.labels(finished_reason=out.finish_reason).inc()
+                self.metrics.e2e.observe(now - request.arrival)
+            request.outputs.put_nowait(out)
+        if outputs:
+            self.metrics.step_size.observe(len(outputs))
+
+    # ---- faults ---------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """A replica is down once its process has ended, or (headless) it has been silent."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            for r in self.replicas:
+                if r.up and r.process is not None and r.process.exitcode is not None:
+                    self._down(r, f"exited with code {r.process.exitcode}")
+                elif r.up and r.process is None and time.monotonic() - r.last_heard > SILENCE_S:
+                    self._down(r, f"was silent for {SILENCE_S:.0f} s")
+
+    def _down(self, replica: Replica, why: str, status: int = 500) -> None:
+        """Mark a replica down and end its requests with an error body at once."""
+        if replica.up and not self.stopping:
+            logger.error(f"engine replica {replica.rank} {why}: its requests fail")
+        replica.up, replica.load, replica.num_unseen = False, {}, 0
+        error = OpenAIError(status, f"engine replica {replica.rank} {why} while serving this "
+                                    "request: retry it")
+        for request in replica.requests.values():
+            if not request.added.done():
+                request.added.set_exception(error)
+            request.outputs.put_nowait(error)
+        replica.requests.clear()
+        self.metrics.observe_load(self.replicas)
+
+
+class RequestStream:
+    """A handler's view of its request: `async for delta in stream` until it finishes."""
+
+    def __init__(self, client: EngineClient, request: Request, num_prompt_tokens: int) -> None:
+        self.client, self.request, self.num_prompt_tokens = client, request, num_prompt_tokens
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        outputs = self.request.outputs
+        try:
+            while not self.finished:
+                delta = Delta(num_prompt_tokens=self.num_prompt_tokens)
+                out = await outputs.get()
+                # a reader that fell behind takes everything waiting as one delta (one event)
+                while isinstance(out, RequestOutput):
+                    delta.add(out)
+                    if delta.finish_reason is not None or outputs.empty():
+                        break
+                    out = outputs.get_nowait()
+                if isinstance(out, OpenAIError):  # its replica went down (and forgot it)
+                    raise out
+                if out is None:  # aborted by the server (shutdown)
+                    delta.finish_reason = "abort"
+                self.finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not self.finished:  # the handler left early: its client went away
+                self.client.abort(self.request)

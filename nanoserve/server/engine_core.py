@@ -1,0 +1,140 @@
+"""The engine core: one replica's LLMEngine in a process of its own, driven over ZMQ.
+
+The API server (engine_client.py) sends commands; this process feeds them to its engine through
+the engine's streaming API (add_request, stream_step, abort_request) and, after every step, sends
+back one message: the requests it took (or refused, with the engine's ValueError), each streamed
+request's new tokens, and the replica's load. The engine's streams carry tokens only: the API
+server tokenizes, detokenizes and matches stop strings, so no step waits for text or HTTP.
+
+    API server -> engine core:  ("add", request id, prompt token ids, SamplingParams)
+                                ("abort", request id) | ("stop",)
+    engine core -> API server:  ("ready", info) once loaded, then after every step (and every
+                                HEARTBEAT_S when idle): ("step", added, outputs, load)
+
+Messages are pickled Python objects on a DEALER socket whose identity is the replica's rank; the
+API server's ROUTER socket holds every replica's. A replica started by the API server exits when
+it is told to stop or when the API server is gone; one started on its own (`--headless`) serves
+until SIGTERM.
+"""
+import logging
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import zmq
+
+from nanoserve.extensions.stats import scheduler_stats
+from nanoserve.llm_engine import LLMEngine, RequestOutput, TextStream
+from nanoserve.sequence import Sequence
+
+logger = logging.getLogger("nanoserve.server")
+HEARTBEAT_S = 0.5  # an idle replica still reports this often: its sign of life
+
+
+class TokenStream(TextStream):
+    """A streamed request's outputs without text: the API server detokenizes."""
+
+    def update(self, token_ids: list[int], finished: bool) -> None:
+        pass
+
+
+@dataclass
+class FinalOutput(RequestOutput):
+    """A request's last output, with what speculative decoding drafted and accepted for it."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, socket: zmq.Socket, parent: int | None) -> None:
+        self.engine, self.socket, self.parent = engine, socket, parent
+        self.seqs: dict[int, Sequence] = {}  # the API server's request id -> its sequence
+        self.ids: dict[int, int] = {}  # seq_id -> request id
+        self.added: list[tuple[int, int | str]] = []  # (id, prompt tokens, or the refusal) to send
+
+    def serve(self) -> None:
+        """Take every command waiting (when idle: wait for one, HEARTBEAT_S at most), step,
+        report; until told to stop, or until the parent API server is gone."""
+        while self.parent is None or os.getppid() == self.parent:
+            timeout_ms = 0 if self.engine.has_unfinished() else HEARTBEAT_S * 1000
+            while self.socket.poll(timeout_ms):
+                command = self.socket.recv_pyobj()
+                if command[0] == "stop":
+                    return
+                getattr(self, command[0])(*command[1:])  # add or abort
+                timeout_ms = 0
+            outputs = self.step() if self.engine.has_unfinished() else []
+            self.socket.send_pyobj(("step", self.added, outputs, self.load()))
+            self.added = []
+
+    def add(self, request_id: int, token_ids: list[int], params: object) -> None:
+        try:
+            seq = self.engine.add_request(token_ids, params, stream=True)
+        except ValueError as e:  # bad prompt: back to its own request, the engine unchanged
+            self.added.append((request_id, str(e)))
+            return
+        self.engine.streams[seq.seq_id] = TokenStream(self.engine.tokenizer, streamed=True)
+        self.seqs[request_id], self.ids[seq.seq_id] = seq, request_id
+        self.added.append((request_id, seq.num_prompt_tokens))
+
+    def abort(self, request_id: int) -> None:
+        if (seq := self.seqs.pop(request_id, None)) is not None:  # else: finished already
+            del self.ids[seq.seq_id]
+            self.engine.abort_request(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """One step's outputs, named by the API server's request ids. A step that raises ends
+        the process (`run` frees the engine): the API server fails its requests at once."""
+        outputs = self.engine.stream_step()
+        for i, out in enumerate(outputs):
+            out.request_id = self.ids[out.request_id]
+            if out.finish_reason is not None:
+                outputs[i] = self.final(out, self.seqs.pop(out.request_id))
+        return outputs
+
+    def final(self, out: RequestOutput, seq: Sequence) -> RequestOutput:
+        """A request's last output, with speculative decoding's counts for it when it ran."""
+        del self.ids[seq.seq_id]
+        spec = self.engine.extensions.get("speculative")
+        if spec is None or (counts := spec.requests.get(seq)) is None:
+            return out
+        return FinalOutput(**vars(out), num_draft_tokens=counts.num_draft_tokens,
+                           num_accepted_tokens=counts.num_accepted_tokens)
+
+    def load(self) -> dict:
+        """The replica's queues, KV blocks and speculation totals (the API server's metrics)."""
+        load = scheduler_stats(self.engine.scheduler)._asdict()
+        if (spec := self.engine.extensions.get("speculative")) is not None:
+            load["spec"] = asdict(spec.stats)
+        return load
+
+
+def run(address: str, rank: int, model: str | None, settings: dict,
+        devices: str | None = None, num_threads: int | None = None, headless: bool = False) -> None:
+    """A replica's process: load the engine on `devices` (CUDA_VISIBLE_DEVICES), connect to the
+    API server at `address`, say ready, serve until stopped, shut the engine down."""
+    if devices is not None:  # before anything touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    if num_threads:  # replicas sharing the CPU share its cores
+        torch.set_num_threads(num_threads)
+    # headless, SIGTERM leaves the loop through `finally`, which frees the engine; else the API
+    # server drains and stops its replicas itself (Ctrl-C reaches the whole process group)
+    for signum in (signal.SIGTERM,) if headless else (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, (lambda *_: sys.exit(0)) if headless else signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s replica {rank}: %(message)s")
+    parent = None if headless else os.getppid()
+    engine = LLMEngine(model, **settings)
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, str(rank).encode())
+    socket.connect(address)
+    try:
+        socket.send_pyobj(("ready", {"max_model_len": engine.config.max_model_len}))
+        logger.info(f"engine loaded, connected to {address}")
+        EngineCore(engine, socket, parent).serve()
+    finally:
+        engine.shutdown()
+        socket.close(linger=0)
+        context.term()
