@@ -272,6 +272,7 @@ class FirstTokens:
 
     def __init__(self) -> None:
         self.start, self.seconds = time.perf_counter(), {}
+        self.last, self.decode = None, []  # decode steps: (batch size, seconds since the last)
 
     def on_tokens(self, *args) -> None:
         pass
@@ -284,7 +285,21 @@ class FirstTokens:
         for seq in batch.seqs:
             if seq.num_output_tokens and seq.seq_id not in self.seconds:
                 self.seconds[seq.seq_id] = now
+        if self.last is not None and not batch.is_prefill:
+            self.decode.append((len(batch.seqs), now - self.last))
+        self.last = now
         return []
+
+    def decode_step_ms(self) -> float:
+        """The decode step's period as an output token sees it: the median over tokens (a step
+        of n sequences counts n times), in ms; what a server's ITL p50 would be at best."""
+        steps, seen = sorted(self.decode, key=lambda step: step[1]), 0
+        half = sum(n for n, _ in steps) / 2
+        for n, seconds in steps:
+            seen += n
+            if seen >= half:
+                return 1e3 * seconds
+        return float("nan")
 
     def summary(self) -> str:
         ttft = sorted(self.seconds.values())
@@ -332,6 +347,7 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
             first_tokens.append(observers[0])
             recorded.extend(observers[1:])  # one run recorded: the engine stops recording
             return [len(o["token_ids"]) for o in outs]
+        generate.first_tokens = first_tokens
         yield generate
         log(f"   engine steps per run: {', '.join(map(str, steps[1:]))} (warm-up: {steps[0]})")
         log(f"   time to first token: {'; '.join(f.summary() for f in first_tokens[1:])}")

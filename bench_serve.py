@@ -10,8 +10,10 @@ output length (ignore_eos where the server takes it) at temperature 0.6, and rec
         server coalesced a late reader's tokens)
   TPOT  time per output token after the first: (E2E - TTFT) / (output tokens - 1)
   E2E   end-to-end latency: from sending to the last chunk
-The report gives mean, p50 and p99 of each, and request and output throughput over the run's wall
-time (first send to last chunk).
+The report gives mean, p50 and p99 of each, request and output throughput over the run's wall
+time (first send to last chunk), and goodput: the requests per second that met the SLO (TTFT <=
+--slo-ttft-ms, 500, and the request's own ITL p99 <= --slo-itl-ms, 100), with the share that met
+it. Over the Poisson rates, the summary names each server's highest rate at which 90% met it.
 
 Servers. With --url the client measures a server that is already running. Without it, it starts
 each of --servers in turn, waits for it, warms it up (bench.warmup_workload: as many prompts of
@@ -20,8 +22,10 @@ the same lengths, 1-16 output tokens), runs every --request-rates entry, and sto
   transformers  transformers serve --continuous-batching (string prompts only: with the random
                 Qwen3's word-per-id tokenizer a prompt is written "<12> <345> ...")
 --w1 also sends nano-vllm's W1 (bench.py) to nanoserve all at once and times its offline
-LLM.generate on the same requests, in a process of its own (the saturation reference);
---sequential also sends the main requests one at a time (all at once versus one by one).
+LLM.generate on W1 and on the main requests, in a process of its own (the saturation references,
+with the offline decode step's period as a W1 token sees it); --repeat N runs the main requests
+all at once N times; --sequential also sends them one at a time. With nanoserve, /metrics is
+read every half second of a run: each replica's mean running requests show that all are busy.
 Results go to results/ (git-ignored): results/serving.json, or the preset's file; --out PATH
 (or --json PATH) writes them elsewhere, --plot PATH draws latency against request rate for every
 server. The files in docs/ change only when their path is given:
@@ -60,8 +64,12 @@ POLL_S = 0.5
 STOP_TIMEOUT_S = 60
 REQUEST_TIMEOUT_S = 3 * 3600
 PERCENTILES = (50, 99)
+SLO_ATTAINMENT = 0.9  # the share of requests that must meet the SLO at a rate
+METRICS_POLL_S = 0.5
 FIRST_PORT = 8100
 RESULTS_DIR = "results"  # a run's files unless a path is given (git-ignored)
+OFFLINE_RUNS = 3  # offline runs of each workload: their median
+MIN_RATE_PROMPTS = 10  # the fewest requests of a Poisson run with --rate-seconds
 
 # One run's settings per preset; any flag given on the command line wins. Their files go to
 # RESULTS_DIR: docs/serving_*.json are refreshed only by naming them (--out docs/...).
@@ -92,6 +100,11 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+
+    def meets(self, slo_ttft_ms: float, slo_itl_ms: float) -> bool:
+        """Done, its first token within slo_ttft_ms and its own ITL p99 within slo_itl_ms."""
+        itl_p99 = float(np.percentile(self.itl, 99)) * 1e3 if self.itl else 0.0
+        return self.ok and self.ttft * 1e3 <= slo_ttft_ms and itl_p99 <= slo_itl_ms
 
 
 @dataclass
@@ -159,9 +172,22 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
     return rng.exponential(1.0 / rate, size=n).tolist()
 
 
+async def sample_running(session: aiohttp.ClientSession, url: str,
+                         samples: dict[str, list[float]]) -> None:
+    """Each replica's running requests from nanoserve's /metrics, every METRICS_POLL_S."""
+    while True:
+        async with session.get(f"{url}/metrics") as resp:
+            for line in (await resp.text()).splitlines():
+                if line.startswith('nanoserve_num_requests_running{replica="') and (
+                        "total" not in line):
+                    samples.setdefault(line.split('"')[1], []).append(float(line.split()[-1]))
+        await asyncio.sleep(METRICS_POLL_S)
+
+
 async def run_load(server: Server, wl: bench.Workload, rate: float, max_concurrency: int | None,
-                   seed: int) -> tuple[list[RequestResult], float]:
-    """Send every request of wl at the arrival times; results in request order, wall seconds."""
+                   seed: int) -> tuple[list[RequestResult], float, dict[str, float]]:
+    """Send every request of wl at the arrival times; results in request order, wall seconds,
+    and (nanoserve) each replica's mean running requests over the run."""
     limit = asyncio.Semaphore(max_concurrency or len(wl.prompts))
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=0)  # no pool limit: concurrency is the semaphore's
@@ -170,14 +196,21 @@ async def run_load(server: Server, wl: bench.Workload, rate: float, max_concurre
         async with limit:
             return await send(session, server, prompt, n, wl)
 
+    samples: dict[str, list[float]] = {}
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        poll = asyncio.create_task(sample_running(session, server.url, samples)) if (
+            server.name == "nanoserve") else None
         tasks, start = [], time.perf_counter()
         for gap, prompt, n in zip(arrival_gaps(len(wl.prompts), rate, seed), wl.prompts,
                                   wl.output_lens):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(limited(session, prompt, n)))
         results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if poll is not None:
+            poll.cancel()
+    return list(results), seconds, {rank: round(statistics.mean(values), 1)
+                                    for rank, values in sorted(samples.items())}
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -190,16 +223,17 @@ def stats_ms(values: list[float]) -> dict[str, float | None]:
                                          for p in PERCENTILES}}
 
 
-def summarize(results: list[RequestResult], seconds: float) -> dict:
-    """One run's figures: throughput over its wall time and latency statistics."""
-    done = [r for r in results if r.ok]
+def summarize(results: list[RequestResult], seconds: float, slo: tuple[float, float]) -> dict:
+    """One run's figures: throughput and goodput over its wall time, latency statistics."""
+    done, met = [r for r in results if r.ok], sum(r.meets(*slo) for r in results)
     output_tokens = sum(r.output_tokens for r in done)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     return {"completed": len(done), "failed": len(results) - len(done),
             "errors": sorted({r.error for r in results if r.error})[:3],
             "seconds": seconds, "output_tokens": output_tokens,
             "request_throughput": len(done) / seconds,
-            "output_throughput": output_tokens / seconds,
+            "output_throughput": output_tokens / seconds, "goodput": met / seconds,
+            "slo_attainment": met / max(len(results), 1),
             "ttft_ms": stats_ms([r.ttft for r in done]), "tpot_ms": stats_ms(tpot),
             "itl_ms": stats_ms([gap for r in done for gap in r.itl]),
             "e2e_ms": stats_ms([r.e2e for r in done])}
@@ -213,7 +247,9 @@ def report(label: str, s: dict) -> None:
     log(f"   {label}: {s['completed']} done, {s['failed']} failed, {s['seconds']:.2f} s, "
         f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:,.1f} output tokens/s; "
         f"ms mean/p50/p99: TTFT {fmt_ms(s['ttft_ms'])}, TPOT {fmt_ms(s['tpot_ms'])}, "
-        f"ITL {fmt_ms(s['itl_ms'])}, E2E {fmt_ms(s['e2e_ms'])}"
+        f"ITL {fmt_ms(s['itl_ms'])}, E2E {fmt_ms(s['e2e_ms'])}; goodput {s['goodput']:.2f} "
+        f"req/s ({100 * s['slo_attainment']:.0f}% met the SLO)"
+        + (f"; replicas' mean running {s['replicas_running']}" if s.get("replicas_running") else "")
         + (f"; errors {s['errors']}" if s["errors"] else ""))
 
 
@@ -266,13 +302,25 @@ def in_subprocess(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def offline_seconds(model_dir: str, wl: bench.Workload, device: str) -> float:
-    """LLM.generate on all of wl at once, after bench.py's warm-up: wall seconds."""
-    engine_args = argparse.Namespace(eager=False, tp=1)
-    runs, lengths = bench.time_engine(bench.nanoserve_engine(model_dir, wl, engine_args, device),
-                                      wl, device)
-    assert lengths == wl.output_lens, "offline: a request returned another token count"
-    return statistics.median(runs)
+def offline_figures(model_dir: str, workloads: list[bench.Workload], device: str) -> dict:
+    """LLM.generate on all of each workload at once, after bench.py's warm-up (one engine): the
+    median wall seconds of OFFLINE_RUNS runs, and the first workload's decode step period as
+    its tokens see it (bench.FirstTokens.decode_step_ms)."""
+    engine_args, figures = argparse.Namespace(eager=False, tp=1), {}
+    with bench.nanoserve_engine(model_dir, workloads[0], engine_args, device) as generate:
+        generate(bench.warmup_workload(workloads[0]))
+        for wl in workloads:
+            runs = []
+            for _ in range(OFFLINE_RUNS):
+                start = time.perf_counter()
+                lengths = generate(wl)
+                bench.synchronize(device)
+                runs.append(time.perf_counter() - start)
+                assert lengths == wl.output_lens, "offline: a request returned another count"
+            figures[f"offline_{wl.name}_tokens_per_s"] = wl.output_tokens / statistics.median(runs)
+            if wl is workloads[0]:
+                figures["offline_decode_step_ms"] = generate.first_tokens[-1].decode_step_ms()
+    return figures
 
 
 # ----------------------------------------------------------------------------- a whole run
@@ -309,7 +357,12 @@ def plan_runs(args: argparse.Namespace, server: str) -> list[Run]:
         args.w1 and server == "nanoserve") else []
     for rate in (float(r) for r in args.request_rates.split(",")):
         if math.isinf(rate):
-            runs.append(Run("all at once", main, rate, args.max_concurrency))
+            runs += [Run("all at once", main, rate, args.max_concurrency)] * args.repeat
+        elif args.rate_seconds:  # as many requests as the rate brings in that time
+            n = max(MIN_RATE_PROMPTS, round(rate * args.rate_seconds))
+            wl = bench.make_w1(n, args.min_input_len, args.max_input_len, args.min_output_len,
+                               args.rate_max_output_len or args.max_output_len, args.seed)
+            runs.append(Run("poisson", wl, rate, args.max_concurrency))
         else:
             runs.append(Run("poisson", rated, rate, args.max_concurrency))
     if args.sequential:
@@ -317,13 +370,13 @@ def plan_runs(args: argparse.Namespace, server: str) -> list[Run]:
     return runs
 
 
-def run_one(server: Server, run: Run, seed: int) -> dict:
+def run_one(server: Server, run: Run, seed: int, slo: tuple[float, float]) -> dict:
     log(f"-- {server.name}: {run.label}, {len(run.workload.prompts)} requests, "
         f"{run.workload.output_tokens:,} output tokens, rate {run.rate} req/s, "
         f"max concurrency {run.max_concurrency or 'none'}")
-    results, seconds = asyncio.run(run_load(server, run.workload, run.rate, run.max_concurrency,
-                                            seed))
-    summary = summarize(results, seconds)
+    results, seconds, running = asyncio.run(run_load(server, run.workload, run.rate,
+                                                     run.max_concurrency, seed))
+    summary = summarize(results, seconds, slo) | {"replicas_running": running}
     report(run.label, summary)
     short = run.workload.ignore_eos and sum(
         r.ok and r.output_tokens != n for r, n in zip(results, run.workload.output_lens))
@@ -348,20 +401,21 @@ def serve_and_measure(name: str, model_dir: str, args: argparse.Namespace, devic
         wait_until_up(proc, server.url, log_path)
         runs = plan_runs(args, name)
         warm = bench.warmup_workload(runs[0].workload)
-        results, seconds = asyncio.run(run_load(server, warm, math.inf, None, args.seed))
+        results, seconds, _ = asyncio.run(run_load(server, warm, math.inf, None, args.seed))
         log(f"== {name} up and warm in {time.perf_counter() - start:.1f} s (warm-up: "
             f"{sum(r.ok for r in results)}/{len(results)} requests in {seconds:.1f} s)")
         for run in runs:
-            record(run_one(server, run, args.seed))
+            record(run_one(server, run, args.seed, (args.slo_ttft_ms, args.slo_itl_ms)))
     finally:
         log(f"   {name} stopped, exit code {stop(proc)}")
 
 
 # ----------------------------------------------------------------------------- output
 def plot(rows: list[dict], meta: dict, path: str) -> None:
-    """p50 and p99 TTFT and ITL against the Poisson request rate, one line per server."""
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    axes = fig.subplots(1, 2)
+    """p50 and p99 TTFT and ITL, and goodput, against the Poisson request rate, one line per
+    server."""
+    fig = Figure(figsize=(16, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3)
     for server, color in zip(dict.fromkeys(r["server"] for r in rows), ("C0", "C1", "C2")):
         points = sorted((r["rate"], r) for r in rows
                         if r["server"] == server and r["label"] == "poisson")
@@ -370,7 +424,18 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
             for p, style in (("p50", "-o"), ("p99", "--x")):
                 ax.plot(rates, [r[metric][p] for _, r in points], style, color=color,
                         label=f"{server} {p}")
+        axes[2].plot(rates, [r.get("goodput", 0) for _, r in points], "-o", color=color,
+                     label=f"{server}")
     rates = sorted({r["rate"] for r in rows if r["label"] == "poisson"})
+    slo = meta.get("slo", {})
+    axes[2].plot(rates, rates, ":", color="gray", label="every request meets the SLO")
+    axes[2].set(title=f"goodput (TTFT <= {slo.get('ttft_ms', 500):g} ms, ITL p99 <= "
+                      f"{slo.get('itl_ms', 100):g} ms)", xlabel="request rate (requests/s, "
+                "Poisson arrivals)", ylabel="requests/s meeting the SLO", xscale="log")
+    axes[2].set_xticks(rates, [f"{r:g}" for r in rates])
+    axes[2].xaxis.set_minor_formatter(NullFormatter())
+    axes[2].grid(alpha=0.3, which="both")
+    axes[2].legend(fontsize=8)
     for ax, title in zip(axes, ("time to first token", "inter-token latency")):
         ax.set(title=title, xlabel="request rate (requests/s, Poisson arrivals)",
                ylabel="ms (log scale)", xscale="log", yscale="log")
@@ -425,7 +490,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", help="with --url: the requests' model (default: its first)")
     p.add_argument("--servers", default="nanoserve", help="comma list: nanoserve,transformers")
     p.add_argument("--nanoserve-args", default="",
-                   help='more flags for nanoserve\'s server, e.g. "--events-per-step 0"')
+                   help='more flags for nanoserve\'s server, e.g. "--data-parallel-size 2"')
     p.add_argument("--model", help="model directory (default: the packaged SmolLM2)")
     p.add_argument("--random-model", choices=["qwen3-0.6b", "tiny"],
                    help="build a random-weight Qwen3 (bench.py's shapes) and serve it")
@@ -440,11 +505,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rates", default="inf",
                    help="comma list of requests/s; inf: all at once (the main workload)")
     p.add_argument("--rate-prompts", type=int, help="requests of each finite rate's run")
+    p.add_argument("--rate-seconds", type=float, help="instead: each finite rate's run sends "
+                   f"rate x this many requests (at least {MIN_RATE_PROMPTS})")
     p.add_argument("--rate-max-output-len", type=int, help="output max of finite rates' runs")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight")
     p.add_argument("--sequential", action="store_true", help="also run the main requests one "
                    "at a time")
-    p.add_argument("--w1", action="store_true", help="also W1 through nanoserve and offline")
+    p.add_argument("--repeat", type=int, default=1, help="runs of the main requests all at once")
+    p.add_argument("--slo-ttft-ms", type=float, default=500, help="goodput's TTFT bound")
+    p.add_argument("--slo-itl-ms", type=float, default=100,
+                   help="goodput's bound on a request's own ITL p99")
+    p.add_argument("--w1", action="store_true", help="also W1 through nanoserve, and W1 and the "
+                   "main requests offline")
     p.add_argument("--w1-prompts", type=int, default=256, help="W1's first this many requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="serve on the CPU even with a GPU")
@@ -475,15 +547,27 @@ def resolve_model(args: argparse.Namespace, device: str) -> str:
     return default_model_dir()
 
 
-def headline(rows: list[dict], offline_tps: float | None) -> dict:
-    """The ratios the runs exist for: HTTP against offline, nanoserve against transformers,
-    all at once against one at a time."""
+def headline(rows: list[dict], meta: dict) -> dict:
+    """The ratios the runs exist for: HTTP against offline (W1; the main requests, the median
+    of their runs), W1's ITL p50 against the offline decode step, nanoserve against
+    transformers, all at once against one at a time; each server's highest Poisson rate at which
+    SLO_ATTAINMENT of the requests met the SLO (None: no rate tried)."""
     def pick(server: str, label: str) -> dict | None:
         return next((r for r in rows if r["server"] == server and r["label"] == label), None)
     out = {}
     w1 = pick("nanoserve", "w1")
-    if w1 and offline_tps:
-        out["w1_http_over_offline"] = w1["output_throughput"] / offline_tps
+    if w1 and "offline_w1_tokens_per_s" in meta:
+        out["w1_http_over_offline"] = w1["output_throughput"] / meta["offline_w1_tokens_per_s"]
+        out["w1_itl_p50_over_decode_step"] = w1["itl_ms"]["p50"] / meta["offline_decode_step_ms"]
+    mains = [r["output_throughput"] for r in rows
+             if r["server"] == "nanoserve" and r["label"] == "all at once"]
+    if mains and "offline_main_tokens_per_s" in meta:
+        out["main_http_over_offline"] = (statistics.median(mains)
+                                         / meta["offline_main_tokens_per_s"])
+    for server in dict.fromkeys(r["server"] for r in rows if r["label"] == "poisson"):
+        met = [r["rate"] for r in rows if r["server"] == server and r["label"] == "poisson"
+               and r["slo_attainment"] >= SLO_ATTAINMENT]
+        out.setdefault("max_rate_meeting_slo", {})[server] = max(met, default=None)
     nano, hf = pick("nanoserve", "all at once"), pick("transformers", "all at once")
     if nano and hf:
         out["nanoserve_over_transformers"] = nano["output_throughput"] / hf["output_throughput"]
@@ -507,21 +591,25 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = args.model_dir = resolve_model(args, device)
     meta = {"command": "python " + " ".join(sys.argv), "model": model_dir,
             "hardware": in_subprocess(hardware_info, device == "cpu"),
-            "temperature": bench.TEMPERATURE}
+            "temperature": bench.TEMPERATURE,
+            "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}}
     meta["hardware"]["commit"] = git_commit() or "?"
     log(f"{meta['hardware']}\nmodel {model_dir}")
 
     def record(row: dict) -> None:
         rows.append(row)
-        meta["summary"] = headline(rows, meta.get("offline_w1_tokens_per_s"))
+        meta["summary"] = headline(rows, meta)
         write_json(args.json, {"meta": meta, "runs": rows})
 
     if args.w1:
         w1 = bench.make_w1(args.w1_prompts)
-        seconds = in_subprocess(offline_seconds, model_dir, w1, device)
-        meta["offline_w1_tokens_per_s"] = w1.output_tokens / seconds
-        log(f"-- offline LLM.generate, W1: {seconds:.2f} s, "
-            f"{meta['offline_w1_tokens_per_s']:,.0f} output tokens/s")
+        main = workloads(args)[0]
+        w1.name, main.name = "w1", "main"
+        meta |= in_subprocess(offline_figures, model_dir, [w1, main], device)
+        log(f"-- offline LLM.generate, median of {OFFLINE_RUNS}: W1 "
+            f"{meta['offline_w1_tokens_per_s']:,.0f} output tokens/s (decode step as its tokens "
+            f"see it: {meta['offline_decode_step_ms']:.1f} ms), the main requests "
+            f"{meta['offline_main_tokens_per_s']:,.0f}")
     for i, name in enumerate(args.servers.split(",")):
         meta.setdefault("servers", {})[name] = " ".join(
             server_command(name, model_dir, FIRST_PORT + i, device, args.nanoserve_args))
@@ -540,7 +628,7 @@ def run_against_url(args: argparse.Namespace, rows: list[dict]) -> None:
             model = json.load(r)["data"][0]["id"]
     server = Server(args.server_kind, args.url.rstrip("/"), model)
     for run in plan_runs(args, args.server_kind):
-        rows.append(run_one(server, run, args.seed))
+        rows.append(run_one(server, run, args.seed, (args.slo_ttft_ms, args.slo_itl_ms)))
     print_table(rows)
     write_json(args.json, {"runs": rows})
 

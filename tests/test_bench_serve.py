@@ -61,14 +61,30 @@ def test_summary():
                                          [0.01] * (n - 1))
                for n, ttft in [(11, 0.1), (21, 0.3), (31, 0.2)]]
     results.append(bench_serve.RequestResult(error="HTTP 400: bad"))
-    s = bench_serve.summarize(results, seconds=2.0)
+    s = bench_serve.summarize(results, seconds=2.0, slo=(250, 100))
     assert (s["completed"], s["failed"], s["errors"]) == (3, 1, ["HTTP 400: bad"])
+    assert s["slo_attainment"] == 0.5 and s["goodput"] == 1.0  # TTFT 300 ms misses, 1 failed
+    assert bench_serve.summarize(results, 2.0, slo=(500, 5))["goodput"] == 0  # ITL 10 ms > 5
     assert s["output_tokens"] == 63 and s["output_throughput"] == 31.5
     assert s["request_throughput"] == 1.5
     assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["mean"] == pytest.approx(200)
     assert s["ttft_ms"]["p99"] == pytest.approx(np.percentile([100, 300, 200], 99))
     assert s["tpot_ms"]["mean"] == pytest.approx(10) and s["itl_ms"]["p99"] == pytest.approx(10)
-    assert bench_serve.summarize([], 1.0)["ttft_ms"]["p50"] is None
+    assert bench_serve.summarize([], 1.0, (500, 100))["ttft_ms"]["p50"] is None
+
+
+def test_headline_finds_the_highest_rate_meeting_the_slo():
+    rows = [{"server": "a", "label": "poisson", "rate": rate, "slo_attainment": share}
+            for rate, share in [(1, 1.0), (2, 0.95), (4, 0.5), (8, 0.92)]]
+    rows += [{"server": "b", "label": "poisson", "rate": 1, "slo_attainment": 0.2}]
+    assert bench_serve.headline(rows, {})["max_rate_meeting_slo"] == {"a": 8, "b": None}
+
+
+def test_decode_step_as_tokens_see_it():
+    """A token-weighted median: 3 steps of 100 sequences at 10 ms outweigh 5 of 1 at 50 ms."""
+    first = bench_serve.bench.FirstTokens()
+    first.decode = [(100, 0.010)] * 3 + [(1, 0.050)] * 5
+    assert first.decode_step_ms() == pytest.approx(10)
 
 
 def test_arrivals_and_bodies():
@@ -88,7 +104,7 @@ def fake_serve_and_measure(name: str, model_dir: str, args, device: str, port: i
     timed = [bench_serve.RequestResult(True, "", 3, 5, 0.1, 0.2, [0.025] * 4)]
     for run in bench_serve.plan_runs(args, name):
         record({"server": name, "label": run.label, "rate": run.rate,
-                **bench_serve.summarize(timed, 1.0)})
+                **bench_serve.summarize(timed, 1.0, (500, 100))})
 
 
 def test_presets_write_into_results_not_docs(monkeypatch):
@@ -96,8 +112,10 @@ def test_presets_write_into_results_not_docs(monkeypatch):
     a user's run goes to results/, and the repository is left as it was."""
     monkeypatch.setattr(bench_serve, "serve_and_measure", fake_serve_and_measure)
     monkeypatch.setattr(bench_serve, "resolve_model", lambda args, device: "some/model")
+    offline = {"offline_w1_tokens_per_s": 9.0, "offline_main_tokens_per_s": 8.0,
+               "offline_decode_step_ms": 10.0}
     monkeypatch.setattr(bench_serve, "in_subprocess", lambda fn, *args: (
-        {"cpu": "test"} if fn is bench_serve.hardware_info else 2.0))  # offline W1: 2 s
+        {"cpu": "test"} if fn is bench_serve.hardware_info else offline))
     with repo_unchanged(monkeypatch) as written:
         for preset in ("cpu", "h100"):
             bench_serve.main(["--preset", preset, "--cpu"])
