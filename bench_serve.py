@@ -353,7 +353,7 @@ def workloads(args: argparse.Namespace) -> tuple[bench.Workload, bench.Workload]
 
 def plan_runs(args: argparse.Namespace, server: str) -> list[Run]:
     main, rated = workloads(args)
-    runs = [Run("w1", bench.make_w1(args.w1_prompts), math.inf)] if (
+    runs = [Run("w1", bench.make_w1(args.w1_prompts), math.inf)] * args.repeat if (
         args.w1 and server == "nanoserve") else []
     for rate in (float(r) for r in args.request_rates.split(",")):
         if math.isinf(rate):
@@ -554,16 +554,18 @@ def headline(rows: list[dict], meta: dict) -> dict:
     SLO_ATTAINMENT of the requests met the SLO (None: no rate tried)."""
     def pick(server: str, label: str) -> dict | None:
         return next((r for r in rows if r["server"] == server and r["label"] == label), None)
+
+    def median(label: str, key: str, p: str | None = None) -> float | None:
+        values = [r[key][p] if p else r[key] for r in rows
+                  if r["server"] == "nanoserve" and r["label"] == label]
+        return statistics.median(values) if values else None
     out = {}
-    w1 = pick("nanoserve", "w1")
-    if w1 and "offline_w1_tokens_per_s" in meta:
-        out["w1_http_over_offline"] = w1["output_throughput"] / meta["offline_w1_tokens_per_s"]
-        out["w1_itl_p50_over_decode_step"] = w1["itl_ms"]["p50"] / meta["offline_decode_step_ms"]
-    mains = [r["output_throughput"] for r in rows
-             if r["server"] == "nanoserve" and r["label"] == "all at once"]
-    if mains and "offline_main_tokens_per_s" in meta:
-        out["main_http_over_offline"] = (statistics.median(mains)
-                                         / meta["offline_main_tokens_per_s"])
+    if (w1 := median("w1", "output_throughput")) and "offline_w1_tokens_per_s" in meta:
+        out["w1_http_over_offline"] = w1 / meta["offline_w1_tokens_per_s"]
+        out["w1_itl_p50_over_decode_step"] = (median("w1", "itl_ms", "p50")
+                                              / meta["offline_decode_step_ms"])
+    if (main := median("all at once", "output_throughput")) and "offline_main_tokens_per_s" in meta:
+        out["main_http_over_offline"] = main / meta["offline_main_tokens_per_s"]
     for server in dict.fromkeys(r["server"] for r in rows if r["label"] == "poisson"):
         met = [r["rate"] for r in rows if r["server"] == server and r["label"] == "poisson"
                and r["slo_attainment"] >= SLO_ATTAINMENT]
