@@ -106,9 +106,8 @@ def table(exclude: list[str]) -> str:
         rows = [r for r in apart if r.name.partition("/")[0] == name]
         summary = next((r.summary for r in rows if r.name.endswith("__init__.py")), rows[0].summary)
         shown = name + ("/" if len(rows) > 1 else "")
-        own = f" (own budget: {SERVER_BUDGET})" if name == "server" else ""
-        lines.append(f"| `{shown}` | {sum(r.code for r in rows)} | outside the budget: "
-                     f"{summary}{own} |")
+        budget = f"own budget {SERVER_BUDGET}" if name == "server" else "outside the budget"
+        lines.append(f"| `{shown}` | {sum(r.code for r in rows)} | {budget}: {summary} |")
     return "\n".join(lines)
 
 

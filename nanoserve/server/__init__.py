@@ -1,4 +1,4 @@
-"""nanoserve.server: an OpenAI-compatible HTTP server on top of the engine (FastAPI + uvicorn).
+"""nanoserve.server: an OpenAI-compatible HTTP server (FastAPI, uvicorn; ZMQ to engines).
 
 Two kinds of process: the API server (HTTP, tokenizer, text) and one engine core per
 data-parallel replica, talking over ZMQ. Read in this order: cli.py (flags, start-up, shutdown),
