@@ -143,27 +143,33 @@ class EngineClient:
     # ---- what the replicas send -----------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
-            rank, data = await self.socket.recv_multipart()
-            replica, message = self.replicas[int(rank)], pickle.loads(data)
-            replica.last_heard = time.monotonic()
-            if message[0] == "ready":
-                self.max_model_len = message[1]["max_model_len"]
-                replica.up = not self.stopping
-                logger.info(f"engine replica {replica.rank} is up")
+            try:
+                await self._receive_one()
+            except Exception:  # a bug here must not stop every request's outputs
+                logger.exception("a replica's message could not be handled")
+
+    async def _receive_one(self) -> None:
+        rank, data = await self.socket.recv_multipart()
+        replica, message = self.replicas[int(rank)], pickle.loads(data)
+        replica.last_heard = time.monotonic()
+        if message[0] == "ready":
+            self.max_model_len = message[1]["max_model_len"]
+            replica.up = not self.stopping
+            logger.info(f"engine replica {replica.rank} is up")
+            return
+        _, added, outputs, replica.load = message
+        replica.num_unseen -= len(added)
+        for request_id, result in added:  # taken (its prompt's token count) or refused
+            request = replica.requests.get(request_id)
+            if request is None or request.added.done():  # its client left meanwhile
                 continue
-            _, added, outputs, replica.load = message
-            replica.num_unseen -= len(added)
-            for request_id, result in added:  # taken (its prompt's token count) or refused
-                request = replica.requests.get(request_id)
-                if request is None or request.added.done():  # its client left meanwhile
-                    continue
-                if isinstance(result, str):
-                    del replica.requests[request_id]
-                    request.added.set_exception(ValueError(result))
-                else:
-                    request.added.set_result(result)
-            self._deliver(replica, outputs)
-            self.metrics.observe_load(self.replicas)
+            if isinstance(result, str):
+                del replica.requests[request_id]
+                request.added.set_exception(ValueError(result))
+            else:
+                request.added.set_result(result)
+        self._deliver(replica, outputs)
+        self.metrics.observe_load(self.replicas)
 
     def _deliver(self, replica: Replica, outputs: list[RequestOutput]) -> None:
         """Text for each output, its stop strings matched, into its request's queue."""
