@@ -1,17 +1,11 @@
 """EngineClient: the API server's side of its engine-core processes, one per data-parallel replica.
 
-The API server process owns HTTP, the tokenizer and the text; each replica's process owns an
-engine (engine_core.py). One ZMQ ROUTER socket, bound by the API server, talks to every replica
-(each connects a DEALER named by its rank). A handler's request is routed to the live replica
-with the least load, `(waiting + sent but not yet taken) * 4 + running` (the replicas report
-their queues after every step), under an id unique across replicas. One task on the event loop
-receives every replica's messages: it settles the handlers' futures (taken, or the engine's
-ValueError), detokenizes each request's new tokens, matches its stop strings (a hit aborts it in
-its replica) and puts the outputs into the request's queue, which RequestStream reads.
-
-Faults: a replica whose process ends (or, started on its own, is silent for SILENCE_S) is down:
-its requests end at once with a 500 error, new ones go to the other replicas, or get a 503 when
-none is up; GET /health fails while any is down. A replica that says ready again is back up.
+One ZMQ ROUTER socket, bound here, talks to every replica (engine_core.py). A request goes to the
+live replica with the least load under an id unique across replicas; one task receives every
+replica's messages: it settles the handlers' futures (taken, or refused with the engine's error),
+detokenizes the new tokens, matches stop strings (a hit aborts the request in its replica) and
+fills each request's queue, which RequestStream reads. A replica whose process ends (or, headless,
+that is silent SILENCE_S) is down: its requests fail at once, new ones go elsewhere or get a 503.
 """
 import asyncio
 import itertools
@@ -35,6 +29,7 @@ logger = logging.getLogger("nanoserve.server")
 SILENCE_S = 10.0  # a replica started on its own that says nothing this long is down
 WATCH_S = 0.1  # how often the replicas' processes are checked
 STOP_TIMEOUT_S = 30  # how long a replica may take to stop before it is killed
+WAITING_WEIGHT = 4  # a waiting request loads a replica this many times a running one
 
 
 @dataclass(eq=False)
@@ -62,8 +57,9 @@ class Replica:
     last_heard: float = 0.0
 
     def score(self) -> int:
-        return (self.load.get("num_waiting", 0) + self.num_unseen) * 4 + self.load.get(
-            "num_running", 0)
+        """The replica's load: (waiting + sent but not yet seen) * 4 + running."""
+        waiting = self.load.get("num_waiting", 0) + self.num_unseen
+        return waiting * WAITING_WEIGHT + self.load.get("num_running", 0)
 
 
 class EngineClient:

@@ -1,20 +1,11 @@
 """The engine core: one replica's LLMEngine in a process of its own, driven over ZMQ.
 
-The API server (engine_client.py) sends commands; this process feeds them to its engine through
-the engine's streaming API (add_request, stream_step, abort_request) and, after every step, sends
-back one message: the requests it took (or refused, with the engine's ValueError), each streamed
-request's new tokens, and the replica's load. The engine's streams carry tokens only: the API
-server tokenizes, detokenizes and matches stop strings, so no step waits for text or HTTP.
-
-    API server -> engine core:  ("add", request id, prompt token ids, SamplingParams)
-                                ("abort", request id) | ("stop",)
-    engine core -> API server:  ("ready", info) once loaded, then after every step (and every
-                                HEARTBEAT_S when idle): ("step", added, outputs, load)
-
-Messages are pickled Python objects on a DEALER socket whose identity is the replica's rank; the
-API server's ROUTER socket holds every replica's. A replica started by the API server exits when
-it is told to stop or when the API server is gone; one started on its own (`--headless`) serves
-until SIGTERM.
+It feeds the API server's commands (`add`, `abort`, `stop`) to the engine through its streaming
+API (add_request, stream_step, abort_request) and after every step sends back one message: the
+requests it took or refused, each request's new tokens (no text: the API server detokenizes) and
+the replica's load. Pickled tuples on a DEALER socket named by the replica's rank. A replica the
+API server started exits when told to stop, when its parent is gone or when a step fails; a
+`--headless` one serves until SIGTERM. docs/serving.md draws the message flow.
 """
 import logging
 import os
