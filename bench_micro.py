@@ -8,11 +8,15 @@
   sampler         the sampler as the engine runs it on the GPU (kernels.sampling.sample, compiled
                   by extensions.fused) over Qwen's 151,936 bf16 logits per row, GPU time from
                   CUDA-graph replays (no launch time).
+  W1's shapes     both kernels with a bf16 and an fp8 (e4m3) cache at the batches and contexts of
+                  W1's decode steps: after t of its steps, the requests still running with their
+                  prompt + t tokens each (t = 1, 256, 512, 768); bytes read over time against the
+                  HBM bandwidth. `--w1-shapes` runs this part alone.
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
                   Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
                   1024.
 
-    python bench_micro.py [--bandwidth 3.35e12] [--json out.json]
+    python bench_micro.py [--bandwidth 3.35e12] [--json out.json] [--w1-shapes]
 """
 import argparse
 import json
@@ -21,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bench import HBM_BANDWIDTH, QWEN3_0_6B, resolve_model_dir
+from bench import HBM_BANDWIDTH, QWEN3_0_6B, make_w1, resolve_model_dir
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.cascade import cascade_decode
 from nanoserve.extensions.fused import ops
@@ -32,6 +36,8 @@ from nanoserve.sequence import Sequence
 CONTEXT = 1024
 DECODE_KERNELS = {"paged_decode": paged_decode, "cascade_decode": cascade_decode}
 L2_FLUSH_BYTES = 256 << 20  # rotate inputs through more than the 50-60 MB L2
+W1_STEPS = (1, 256, 512, 768)  # W1 decode steps whose batch and contexts are measured
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def time_cuda(fn, iters: int = 20) -> float:
@@ -77,6 +83,54 @@ def decode_kernel(name: str, decode_fn: Callable, batch: int, bandwidth: float) 
             "TB/s": bytes_per_s / 1e12, "fraction_of_bandwidth": bytes_per_s / bandwidth}
 
 
+def w1_step_kernel(name: str, decode_fn: Callable, step: int, kv: str, bandwidth: float) -> dict:
+    """One decode kernel at W1's decode step `step`: its running requests, each with its prompt
+    plus `step` tokens of context, over a cache of dtype kv; bytes read / time / bandwidth."""
+    H, Hkv, D, B = 16, 8, 128, 16
+    w1 = make_w1()
+    lens_list = [len(p) + step for p, n in zip(w1.prompts, w1.output_lens) if n > step]
+    batch, blocks = len(lens_list), [-(-n // B) for n in lens_list]
+    kv_bytes = 2 * sum(lens_list) * Hkv * D * KV_DTYPES[kv].itemsize
+    copies = max(1, L2_FLUSH_BYTES // kv_bytes + 1)
+    sets = []
+    for _ in range(copies):
+        k = torch.randn(sum(blocks), B, Hkv, D, device="cuda").to(KV_DTYPES[kv])
+        v = torch.randn_like(k, dtype=torch.float32).to(KV_DTYPES[kv])
+        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+        order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
+        tables = torch.zeros(batch, max(blocks), device="cuda", dtype=torch.int32)
+        for i, start in enumerate(np.cumsum([0, *blocks[:-1]])):  # each its own blocks
+            tables[i, :blocks[i]] = order[start:start + blocks[i]]
+        sets.append((q, k, v, tables))
+    lens = torch.tensor(lens_list, device="cuda", dtype=torch.int32)
+    calls = [0]
+
+    def call() -> None:  # a different copy each call, so nothing is served from L2
+        q, k, v, tables = sets[calls[0] % copies]
+        calls[0] += 1
+        decode_fn(q, k, v, tables, lens, D ** -0.5)
+
+    seconds = time_cuda(call, iters=50)
+    bytes_read = kv_bytes + 2 * batch * H * D * 2  # K + V + q + out
+    return {"kernel": name, "kv": kv, "step": step, "batch": batch,
+            "mean_context": sum(lens_list) / batch, "us": seconds * 1e6, "bytes": bytes_read,
+            "fraction_of_bandwidth": bytes_read / seconds / bandwidth}
+
+
+def w1_shapes(bandwidth: float) -> list[dict]:
+    rows = []
+    for kernel, decode_fn in DECODE_KERNELS.items():
+        for kv in KV_DTYPES:
+            for step in W1_STEPS:
+                r = w1_step_kernel(kernel, decode_fn, step, kv, bandwidth)
+                rows.append(r)
+                print(f"{kernel:14s} {kv:4s} W1 step {step:3d} (batch {r['batch']:3d}, context "
+                      f"{r['mean_context']:6.0f}): {r['us']:7.1f} us  "
+                      f"{100 * r['fraction_of_bandwidth']:.0f}% of {bandwidth / 1e12:.2f} TB/s",
+                      flush=True)
+    return rows
+
+
 def decode_step(llm: LLM, batch: int, graphs: bool) -> float:
     """Seconds of one decode step (inputs -> forward -> sample) for `batch` sequences of CONTEXT
     tokens."""
@@ -116,10 +170,14 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bandwidth", type=float, help="HBM bytes/s (default: by GPU name)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--w1-shapes", action="store_true", help="only the kernels at W1's shapes")
     args = p.parse_args()
     name = torch.cuda.get_device_name()
     bandwidth = args.bandwidth or next(bw for key, bw in HBM_BANDWIDTH if key in name)
     result = {"gpu": name, "bandwidth": bandwidth, "kernel": [], "step": []}
+    result["w1_shapes"] = w1_shapes(bandwidth)
+    if args.w1_shapes:
+        return write(result, args.json)
     for kernel, decode_fn in DECODE_KERNELS.items():
         for batch in (256, 32, 1):
             r = decode_kernel(kernel, decode_fn, batch, bandwidth)
@@ -138,8 +196,12 @@ def main() -> None:
                                    "graph_ms": graph * 1e3})
             print(f"decode step batch {batch:3d}: eager {eager * 1e3:7.2f} ms  "
                   f"graph {graph * 1e3:7.2f} ms  ({eager / graph:.1f}x)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    write(result, args.json)
+
+
+def write(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
 
