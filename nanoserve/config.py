@@ -82,7 +82,7 @@ class Config:
     overlap_scheduling: bool = True  # launch the next step while this one runs (one rank only)
     cascade_attention: bool = True  # GPU decode: split-KV, and a shared prefix read once
     fused_kernels: bool = True  # GPU: norm + rotary + KV store in one kernel, compiled elementwise
-    dtype: str = "auto"  # "auto": the checkpoint's dtype on GPU, float32 on CPU; or a DTYPES key
+    dtype: str = "auto"  # "auto": 16-bit on GPU (bf16 for a float32 checkpoint), float32 on CPU
     device: str = "auto"  # "auto": "cuda" when available, else "cpu"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3, half the bytes
     speculative_method: str | None = None  # "ngram": propose tokens by prompt lookup, verify
@@ -117,13 +117,13 @@ class Config:
         self.trace = self.trace or os.environ.get("NANOSERVE_TRACE", "0") not in ("", "0")
 
     def _resolve_dtype(self) -> torch.dtype:
-        """`dtype` as a torch.dtype; "auto" is float32 on the CPU, else the checkpoint's dtype."""
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if self.device == "cpu":
-            return torch.float32
-        # a dtype nanoserve does not run (or none at all) falls back to bfloat16
-        return DTYPES.get(str(self.hf_config.dtype).removeprefix("torch."), torch.bfloat16)
+        """`dtype` as a torch.dtype. "auto" is float32 on the CPU; on a GPU a float16 checkpoint
+        runs in float16 and any other (float32 too, as vLLM's "auto") in bfloat16, or in float16
+        where the GPU has no bfloat16. dtype="float32" still runs a GPU in float32."""
+        if self.dtype != "auto" or self.device == "cpu":
+            return DTYPES.get(self.dtype, torch.float32)  # "auto" on the CPU: float32
+        fp16 = str(self.hf_config.dtype).removeprefix("torch.") == "float16"
+        return torch.float16 if fp16 or not torch.cuda.is_bf16_supported() else torch.bfloat16
 
     def _check_tensor_parallel(self) -> None:
         tp, cfg = self.tensor_parallel_size, self.hf_config

@@ -139,8 +139,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, len(layers), num_blocks + 1, *block, dtype=kv_dtype,
                                     device=self.device)
         if self.rank == 0:
-            logger.info(f"KV cache: {num_blocks} blocks of {self.block_size} tokens, "
-                        f"{num_blocks * block_bytes / 2**30:.2f} GiB "
+            logger.info(f"model in {self.config.torch_dtype}; KV cache: {num_blocks} blocks of "
+                        f"{self.block_size} tokens, {num_blocks * block_bytes / 2**30:.2f} GiB "
                         f"({block_bytes // self.block_size:,} bytes per token), {kv_dtype}")
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -75,6 +75,22 @@ def test_config_accepts_a_good_directory(model_dir):
     assert cfg.num_kvcache_blocks == 4 and cfg.max_model_len == 64
 
 
+@pytest.mark.parametrize("checkpoint, bf16, expected", [
+    ("float32", True, torch.bfloat16), ("bfloat16", True, torch.bfloat16),
+    ("float16", True, torch.float16), (None, True, torch.bfloat16),
+    ("float32", False, torch.float16), ("bfloat16", False, torch.float16)])
+def test_auto_dtype_is_16_bit_on_a_gpu(model_dir, monkeypatch, checkpoint, bf16, expected):
+    """dtype="auto": float32 on the CPU; on a GPU a float16 checkpoint in float16, any other in
+    bfloat16 (float16 without it), as vLLM's "auto"; an explicit dtype is kept."""
+    cfg = Config(model_dir, device="cpu")
+    assert cfg.torch_dtype == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    cfg.device, cfg.hf_config.dtype = "cuda", checkpoint  # as a GPU machine resolves it
+    assert cfg._resolve_dtype() == expected
+    cfg.dtype = "float32"
+    assert cfg._resolve_dtype() == torch.float32
+
+
 def test_config_rejects_missing_model_path(tmp_path):
     with pytest.raises(OSError, match="does not exist"):
         Config(str(tmp_path / "no-such-model"), device="cpu")
