@@ -38,8 +38,8 @@ class Metrics:
                                          registry=r)
         self.num_finished = Counter("nanoserve_request_success", "Requests finished, by reason",
                                     ["finished_reason"], registry=r)
-        self.num_aborted = Counter("nanoserve_num_aborted_requests", "Requests aborted (client "
-                                   "disconnected, or shutdown)", registry=r)
+        self.num_aborted = Counter("nanoserve_num_aborted_requests", "Requests aborted (the "
+                                   "client disconnected)", registry=r)
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Arrival to first token",
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.itl = Histogram("nanoserve_inter_token_latency_seconds",
