@@ -544,7 +544,9 @@ def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
 
         waiting = threading.Thread(target=plain)
         waiting.start()
+        deadline = time.monotonic() + 30
         while server.metrics()["nanoserve_num_requests_running" + TOTAL] < 2:
+            assert time.monotonic() < deadline, "the plain request never started"
             time.sleep(0.05)
         [pid] = replica_pids(server)
         os.kill(pid, signal.SIGKILL)
