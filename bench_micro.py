@@ -55,20 +55,26 @@ def time_cuda(fn, iters: int = 20) -> float:
     return float(np.median(times))
 
 
-def decode_kernel(name: str, decode_fn: Callable, batch: int, bandwidth: float) -> dict:
+def time_decode(decode_fn: Callable, context_lens: list[int],
+                kv_dtype: torch.dtype) -> tuple[float, int]:
+    """decode_fn's median seconds over sequences of these contexts at Qwen3-0.6B's heads (16 q /
+    8 KV, head dim 128, blocks of 16 scattered at random over a cache of kv_dtype), and the bytes
+    it must read: K and V of every sequence, q, out."""
     H, Hkv, D, B = 16, 8, 128, 16
-    blocks_per_seq = CONTEXT // B
-    kv_bytes = 2 * batch * CONTEXT * Hkv * D * 2
+    batch, blocks = len(context_lens), [-(-n // B) for n in context_lens]
+    kv_bytes = 2 * sum(context_lens) * Hkv * D * kv_dtype.itemsize
     copies = max(1, L2_FLUSH_BYTES // kv_bytes + 1)
     sets = []
     for _ in range(copies):
-        k = torch.randn(batch * blocks_per_seq, B, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
+        k = torch.randn(sum(blocks), B, Hkv, D, device="cuda").to(kv_dtype)
+        v = torch.randn_like(k, dtype=torch.float32).to(kv_dtype)
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-        tables = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32)
-        tables = tables.view(batch, -1)  # (S, max_blocks)
+        order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
+        tables = torch.zeros(batch, max(blocks), device="cuda", dtype=torch.int32)  # (S, max)
+        for i, own in enumerate(order.split(blocks)):  # each sequence its own blocks
+            tables[i, :len(own)] = own
         sets.append((q, k, v, tables))
-    lens = torch.full((batch,), CONTEXT, device="cuda", dtype=torch.int32)
+    lens = torch.tensor(context_lens, device="cuda", dtype=torch.int32)
     calls = [0]
 
     def call() -> None:  # a different copy each call, so nothing is served from L2
@@ -76,8 +82,11 @@ def decode_kernel(name: str, decode_fn: Callable, batch: int, bandwidth: float) 
         calls[0] += 1
         decode_fn(q, k, v, tables, lens, D ** -0.5)
 
-    seconds = time_cuda(call, iters=50)
-    bytes_read = kv_bytes + 2 * batch * H * D * 2  # K + V + q + out
+    return time_cuda(call, iters=50), kv_bytes + 2 * batch * H * D * 2
+
+
+def decode_kernel(name: str, decode_fn: Callable, batch: int, bandwidth: float) -> dict:
+    seconds, bytes_read = time_decode(decode_fn, [CONTEXT] * batch, torch.bfloat16)
     bytes_per_s = bytes_read / seconds
     return {"kernel": name, "batch": batch, "us": seconds * 1e6, "bytes": bytes_read,
             "TB/s": bytes_per_s / 1e12, "fraction_of_bandwidth": bytes_per_s / bandwidth}
@@ -86,34 +95,11 @@ def decode_kernel(name: str, decode_fn: Callable, batch: int, bandwidth: float) 
 def w1_step_kernel(name: str, decode_fn: Callable, step: int, kv: str, bandwidth: float) -> dict:
     """One decode kernel at W1's decode step `step`: its running requests, each with its prompt
     plus `step` tokens of context, over a cache of dtype kv; bytes read / time / bandwidth."""
-    H, Hkv, D, B = 16, 8, 128, 16
     w1 = make_w1()
-    lens_list = [len(p) + step for p, n in zip(w1.prompts, w1.output_lens) if n > step]
-    batch, blocks = len(lens_list), [-(-n // B) for n in lens_list]
-    kv_bytes = 2 * sum(lens_list) * Hkv * D * KV_DTYPES[kv].itemsize
-    copies = max(1, L2_FLUSH_BYTES // kv_bytes + 1)
-    sets = []
-    for _ in range(copies):
-        k = torch.randn(sum(blocks), B, Hkv, D, device="cuda").to(KV_DTYPES[kv])
-        v = torch.randn_like(k, dtype=torch.float32).to(KV_DTYPES[kv])
-        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-        order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
-        tables = torch.zeros(batch, max(blocks), device="cuda", dtype=torch.int32)
-        for i, start in enumerate(np.cumsum([0, *blocks[:-1]])):  # each its own blocks
-            tables[i, :blocks[i]] = order[start:start + blocks[i]]
-        sets.append((q, k, v, tables))
-    lens = torch.tensor(lens_list, device="cuda", dtype=torch.int32)
-    calls = [0]
-
-    def call() -> None:  # a different copy each call, so nothing is served from L2
-        q, k, v, tables = sets[calls[0] % copies]
-        calls[0] += 1
-        decode_fn(q, k, v, tables, lens, D ** -0.5)
-
-    seconds = time_cuda(call, iters=50)
-    bytes_read = kv_bytes + 2 * batch * H * D * 2  # K + V + q + out
-    return {"kernel": name, "kv": kv, "step": step, "batch": batch,
-            "mean_context": sum(lens_list) / batch, "us": seconds * 1e6, "bytes": bytes_read,
+    lens = [len(p) + step for p, n in zip(w1.prompts, w1.output_lens) if n > step]
+    seconds, bytes_read = time_decode(decode_fn, lens, KV_DTYPES[kv])
+    return {"kernel": name, "kv": kv, "step": step, "batch": len(lens),
+            "mean_context": sum(lens) / len(lens), "us": seconds * 1e6, "bytes": bytes_read,
             "fraction_of_bandwidth": bytes_read / seconds / bandwidth}
 
 
