@@ -544,21 +544,30 @@ def relabeled(wl: Workload, seed: int) -> Workload:
 
 def time_engine(engine: AbstractContextManager[Generate], wl: Workload,
                 device: str) -> tuple[list[float], list[int]]:
-    """The warm-up, untimed, then wl, timed. A single short run is noisy, so while the runs add up
-    to less than MIN_TIMED_SECONDS, wl runs again, relabeled, up to MAX_TIMED_RUNS runs. Returns
-    each run's wall time and the tokens generated for each request in the first run."""
+    """The warm-up, untimed, then wl, timed (time_runs). Returns each run's wall time and the
+    tokens generated for each request in the first run."""
     with engine as generate:
         generate(warmup_workload(wl))
         synchronize(device)
-        seconds: list[float] = []
-        lengths: list[list[int]] = []
-        while not seconds or (len(seconds) < MAX_TIMED_RUNS and sum(seconds) < MIN_TIMED_SECONDS):
-            run = relabeled(wl, len(seconds)) if seconds else wl
-            start = time.perf_counter()
-            lengths.append(generate(run))
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        return seconds, lengths[0]
+        return time_runs(generate, wl, device)
+
+
+def time_runs(generate: Generate, wl: Workload, device: str,
+              min_runs: int = 1) -> tuple[list[float], list[int]]:
+    """wl timed on a warm engine, at least min_runs times. A single short run is noisy, so while
+    the runs add up to less than MIN_TIMED_SECONDS, wl runs again, relabeled (new to the prefix
+    cache), up to MAX_TIMED_RUNS runs. Returns each run's wall time and the tokens generated for
+    each request in the first run."""
+    seconds: list[float] = []
+    lengths: list[list[int]] = []
+    while len(seconds) < min_runs or (len(seconds) < MAX_TIMED_RUNS
+                                      and sum(seconds) < MIN_TIMED_SECONDS):
+        run = relabeled(wl, len(seconds)) if seconds else wl
+        start = time.perf_counter()
+        lengths.append(generate(run))
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds, lengths[0]
 
 
 def short_tokens(lengths: list[int], wanted: list[int]) -> str:

@@ -23,8 +23,9 @@ the same lengths, 1-16 output tokens), runs every --request-rates entry, and sto
                 Qwen3's word-per-id tokenizer a prompt is written "<12> <345> ...")
 --w1 also sends nano-vllm's W1 (bench.py) to nanoserve all at once and times its offline
 LLM.generate on W1 and on the main requests, in a process of its own (the saturation references,
-with the offline decode step's period as a W1 token sees it); --repeat N runs the main requests
-all at once N times; --sequential also sends them one at a time. With nanoserve, /metrics is
+with the offline decode step's period as a W1 token sees it); --repeat N runs W1 and the main
+requests all at once N times, each repeat relabeled so the prefix cache has not seen it, as the
+offline repeats are; --sequential also sends them one at a time. With nanoserve, /metrics is
 read every half second of a run: each replica's mean running requests show that all are busy.
 Results go to results/ (git-ignored): results/serving.json, or the preset's file; --out PATH
 (or --json PATH) writes them elsewhere, --plot PATH draws latency against request rate for every
@@ -68,7 +69,7 @@ SLO_ATTAINMENT = 0.9  # the share of requests that must meet the SLO at a rate
 METRICS_POLL_S = 0.5
 FIRST_PORT = 8100
 RESULTS_DIR = "results"  # a run's files unless a path is given (git-ignored)
-OFFLINE_RUNS = 3  # offline runs of each workload: their median
+OFFLINE_RUNS = 3  # offline runs of each workload, at least: their median
 MIN_RATE_PROMPTS = 10  # the fewest requests of a Poisson run with --rate-seconds
 
 # One run's settings per preset; any flag given on the command line wins. Their files go to
@@ -304,19 +305,15 @@ def in_subprocess(fn, *args):
 
 def offline_figures(model_dir: str, workloads: list[bench.Workload], device: str) -> dict:
     """LLM.generate on all of each workload at once, after bench.py's warm-up (one engine): the
-    median wall seconds of OFFLINE_RUNS runs, and the first workload's decode step period as
-    its tokens see it (bench.FirstTokens.decode_step_ms)."""
+    median wall seconds of at least OFFLINE_RUNS runs (bench.time_runs: repeats relabeled, new
+    to the prefix cache), and the first workload's decode step period as its tokens see it
+    (bench.FirstTokens.decode_step_ms)."""
     engine_args, figures = argparse.Namespace(eager=False, tp=1), {}
     with bench.nanoserve_engine(model_dir, workloads[0], engine_args, device) as generate:
         generate(bench.warmup_workload(workloads[0]))
         for wl in workloads:
-            runs = []
-            for _ in range(OFFLINE_RUNS):
-                start = time.perf_counter()
-                lengths = generate(wl)
-                bench.synchronize(device)
-                runs.append(time.perf_counter() - start)
-                assert lengths == wl.output_lens, "offline: a request returned another count"
+            runs, lengths = bench.time_runs(generate, wl, device, min_runs=OFFLINE_RUNS)
+            assert lengths == wl.output_lens, "offline: a request returned another token count"
             figures[f"offline_{wl.name}_tokens_per_s"] = wl.output_tokens / statistics.median(runs)
             if wl is workloads[0]:
                 figures["offline_decode_step_ms"] = generate.first_tokens[-1].decode_step_ms()
@@ -351,13 +348,20 @@ def workloads(args: argparse.Namespace) -> tuple[bench.Workload, bench.Workload]
     return main, rated
 
 
+def repeats(wl: bench.Workload, n: int) -> list[bench.Workload]:
+    """wl, then n - 1 relabeled copies (bench.relabeled): prompts the prefix cache has not seen,
+    as bench.time_runs repeats the offline runs."""
+    return [wl] + [bench.relabeled(wl, i) for i in range(1, n)]
+
+
 def plan_runs(args: argparse.Namespace, server: str) -> list[Run]:
     main, rated = workloads(args)
-    runs = [Run("w1", bench.make_w1(args.w1_prompts), math.inf)] * args.repeat if (
-        args.w1 and server == "nanoserve") else []
+    w1 = bench.make_w1(args.w1_prompts) if args.w1 and server == "nanoserve" else None
+    runs = [Run("w1", wl, math.inf) for wl in repeats(w1, args.repeat)] if w1 else []
     for rate in (float(r) for r in args.request_rates.split(",")):
         if math.isinf(rate):
-            runs += [Run("all at once", main, rate, args.max_concurrency)] * args.repeat
+            runs += [Run("all at once", wl, rate, args.max_concurrency)
+                     for wl in repeats(main, args.repeat)]
         elif args.rate_seconds:  # as many requests as the rate brings in that time
             n = max(MIN_RATE_PROMPTS, round(rate * args.rate_seconds))
             wl = bench.make_w1(n, args.min_input_len, args.max_input_len, args.min_output_len,
@@ -511,7 +515,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, help="most requests in flight")
     p.add_argument("--sequential", action="store_true", help="also run the main requests one "
                    "at a time")
-    p.add_argument("--repeat", type=int, default=1, help="runs of the main requests all at once")
+    p.add_argument("--repeat", type=int, default=1, help="runs of W1 and of the main requests "
+                   "all at once (repeats relabeled: new to the prefix cache)")
     p.add_argument("--slo-ttft-ms", type=float, default=500, help="goodput's TTFT bound")
     p.add_argument("--slo-itl-ms", type=float, default=100,
                    help="goodput's bound on a request's own ITL p99")
@@ -608,7 +613,7 @@ def main(argv: list[str] | None = None) -> None:
         main = workloads(args)[0]
         w1.name, main.name = "w1", "main"
         meta |= in_subprocess(offline_figures, model_dir, [w1, main], device)
-        log(f"-- offline LLM.generate, median of {OFFLINE_RUNS}: W1 "
+        log(f"-- offline LLM.generate, median of {OFFLINE_RUNS}+ runs: W1 "
             f"{meta['offline_w1_tokens_per_s']:,.0f} output tokens/s (decode step as its tokens "
             f"see it: {meta['offline_decode_step_ms']:.1f} ms), the main requests "
             f"{meta['offline_main_tokens_per_s']:,.0f}")
