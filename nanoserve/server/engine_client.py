@@ -39,8 +39,8 @@ class Request:
     replica: "Replica"
     text: TextStream  # the detokenizer (a StopStringStream with stop strings)
     added: asyncio.Future  # the prompt's token count once a replica took it, or its refusal
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutputs, then None
-    # if aborted, or an OpenAIError if its replica went down
+    # RequestOutputs, or an OpenAIError last if its replica went down (or the server stopped)
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)  # the output tokens so far
     last_token: float | None = None  # when the last output arrived (TTFT, then ITL)
@@ -239,8 +239,6 @@ class RequestStream:
                     out = outputs.get_nowait()
                 if isinstance(out, OpenAIError):  # its replica went down (and forgot it)
                     raise out
-                if out is None:  # aborted by the server (shutdown)
-                    delta.finish_reason = "abort"
                 self.finished = delta.finish_reason is not None
                 yield delta
         finally:
