@@ -62,7 +62,7 @@ class EngineCore:
 
     def add(self, request_id: int, token_ids: list[int], params: object) -> None:
         try:
-            seq = self.engine.add_request(token_ids, params, stream=True)
+            seq = self.engine.add_request(token_ids, params)  # its stream: a TokenStream
         except ValueError as e:  # bad prompt: back to its own request, the engine unchanged
             self.added.append((request_id, str(e)))
             return
