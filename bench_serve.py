@@ -56,6 +56,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+from prometheus_client.parser import text_string_to_metric_families
 
 import bench
 from bench_utils import build_random_qwen3, git_commit, hardware_info, log
@@ -178,10 +179,11 @@ async def sample_running(session: aiohttp.ClientSession, url: str,
     """Each replica's running requests from nanoserve's /metrics, every METRICS_POLL_S."""
     while True:
         async with session.get(f"{url}/metrics") as resp:
-            for line in (await resp.text()).splitlines():
-                if line.startswith('nanoserve_num_requests_running{replica="') and (
-                        "total" not in line):
-                    samples.setdefault(line.split('"')[1], []).append(float(line.split()[-1]))
+            for family in text_string_to_metric_families(await resp.text()):
+                if family.name == "nanoserve_num_requests_running":
+                    for sample in family.samples:
+                        if (rank := sample.labels["replica"]) != "total":
+                            samples.setdefault(rank, []).append(sample.value)
         await asyncio.sleep(METRICS_POLL_S)
 
 
