@@ -6,14 +6,14 @@ json_object=True) asks for it.
 xgrammar does the work. A constraint is parsed when its GuidedDecodingParams is made (a bad one
 raises there) and compiled against the vocabulary on a pool of threads from the first step its
 request is seen in (waiting, or in the batch); the compiler caches by the constraint's text, so
-requests that share a schema compile it once. Each request
-keeps a matcher: the state of its output in the grammar. Every step, before the sampler, the
-matchers of the guided rows fill a bitmask of the tokens allowed next (on several host threads,
-while the GPU runs the step's forward pass), and the disallowed logits of those rows become -inf;
-unguided rows are not touched. The step's recorded tokens then advance the matchers. EOS is
-allowed only where the grammar may end, and once it is done only EOS is, so a finished grammar
-finishes its request ("stop"); max_tokens may still cut it ("length"). JSON is generated without
-free whitespace, so a small model cannot loop on blanks inside an object.
+requests that share a schema compile it once. Each request keeps a matcher: the state of its output
+in the grammar. Every step, before the sampler, the matchers of the guided rows fill a bitmask of
+the tokens allowed next (on several host threads, while the GPU runs the step's forward pass), and
+the disallowed logits of those rows become -inf; unguided rows are not touched. The step's recorded
+tokens then advance the matchers. EOS is allowed only where the grammar may end, and once it is done
+only EOS is, so a finished grammar finishes its request ("stop"); max_tokens may still cut it
+("length"). JSON is generated without free whitespace, so a small model cannot loop on blanks inside
+an object.
 Tokens a row's sequence has that are not recorded yet come first. With overlap scheduling the
 token of the step in flight: the matcher takes it once it is on the host, before the next step's
 mask, and that step's postprocessing finds it taken. With speculative decoding the drafts before
