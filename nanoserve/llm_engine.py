@@ -107,7 +107,6 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
                              f"fields of nanoserve.config.Config: {names}")
         self.config = cfg = Config(model or default_model_dir(), **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        # ranks 1..N-1 in their own processes
         self.workers = Workers(cfg, ModelRunner) if cfg.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
         atexit.register(self.shutdown)
@@ -123,16 +122,17 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         self.extensions: dict[str, object] = {}  # name -> what its attach() returned
         self.timeline = None  # with timeline=True, the record of every step
         self.num_sampled = 0  # tokens sampled since start-up
-        # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait
-        # for them is also what tells it the workers have read a call before the next one
+        # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait for
+        # them tells it the workers have read a call; prefill graphs too (captured by rank 0 alone)
         for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
                          ("speculative", cfg.speculative_method), ("trace", cfg.trace),
-                         ("timeline", cfg.timeline)):
+                         ("timeline", cfg.timeline), ("prefill_graphs", self.workers is None
+                                                      and self.model_runner.graphs is not None)):
             if on:
                 self._attach(name)
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
         # out of Python's full garbage collections, which scan every object alive and pause the
-        # engine while they do (docs/performance.md); shutdown unfreezes them.
+        # engine (docs/performance.md); shutdown unfreezes them.
         gc.collect()
         gc.freeze()
 

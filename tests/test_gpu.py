@@ -141,6 +141,22 @@ def test_cudagraph_decode_matches_eager(model_dir):
     assert_logprobs_close(*results[False], *results[True], tol=SAME_ENGINE_TOL)
 
 
+def test_prefill_graphs_match_transformers(model_dir):
+    """Prompts one at a time, each prefill a replay of extensions.prefill_graphs (5-1000 tokens:
+    graphs of 16 to 1,024 keys), then again as prefix-cache hits (fewer new tokens than keys):
+    logprobs close to transformers' both times."""
+    prompt_list = prompts(n=4, seed=5) + [(prompts(n=1, seed=6)[0] * 8)[:1000]]
+    ref_ids, ref_lps = hf_logprobs(model_dir, prompt_list)
+    with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024) as llm:
+        graphs = llm.extensions["prefill_graphs"]
+        for run in ("computed", "cached"):
+            replays = graphs.num_replays
+            ids, lps = zip(*(record_logprobs(llm, [p]) for p in prompt_list))  # one at a time
+            assert graphs.num_replays - replays == len(prompt_list), run
+            assert_logprobs_close([i[0] for i in ids], [lp[0] for lp in lps], ref_ids, ref_lps)
+        assert scheduler_stats(llm.scheduler).num_hits > 0
+
+
 def test_core_alone_matches_the_extensions(model_dir):
     """The core's plain paths (no overlap, no cascade or split-KV decode, no fused kernels or race
     sampler; CUDA graphs on, with the core's KV store) against the default engine: the same greedy

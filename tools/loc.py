@@ -24,8 +24,10 @@ PACKAGE = ROOT / "nanoserve"
 README = ROOT / "README.md"
 CORE_BUDGET = 1500  # code lines of the core: small enough to read in an afternoon
 TOTAL_BUDGET = 2161  # code lines of the core and its extensions, but for those of OWN_BUDGETS
-# extensions written to a budget of their own, each held to it and left out of TOTAL_BUDGET
-OWN_BUDGETS = {"extensions/speculative.py": 250, "extensions/guided.py": 150}
+# extensions written after the core's split, each to a budget of its own, held to it and left
+# out of TOTAL_BUDGET
+OWN_BUDGETS = {"extensions/speculative.py": 250, "extensions/guided.py": 150,
+               "extensions/prefill_graphs.py": 60}
 SERVER_BUDGET = 900  # code lines of the server (nanoserve/server/), counted apart from both
 MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 250  # all lines of one module, of one class
 EXTENSIONS = "extensions"  # nanoserve/extensions/: one module per idea, on top of the core

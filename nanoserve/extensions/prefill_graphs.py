@@ -1,0 +1,76 @@
+"""Prefill graphs: a lone prompt's prefill replays a CUDA graph, as every decode step does.
+
+A prefill step runs its layers eagerly, since it takes any number of tokens: about ten launches
+per layer, each 20-60 µs of host time, so the first step of a 560-token prompt on Qwen3-0.6B
+costs ~20 ms of host time for ~3 ms of GPU work (docs/serving.md §7), and that is most of a lone
+request's time to first token. Here a prefill of one sequence with at most GRAPH_TOKENS[-1] keys
+(its cached prefix and its new tokens) replays the graph captured for the smallest size that
+holds them: new tokens and keys padded to that size, the padded tokens writing the spare block
+(slot -1) and read by no query (the sequence ends before them, by cu_seqlens). Batches of several
+sequences, and longer prompts, run eagerly. Attaches at the model runner's forward pass
+(`ModelRunner.forward`), on one GPU rank with CUDA graphs (not enforce_eager).
+"""
+import torch
+from torch import Tensor
+
+from nanoserve.cuda_graphs import pinned
+from nanoserve.layers import ForwardContext, forward_context
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.model_runner import ModelRunner
+
+GRAPH_TOKENS = [16, 32, 64] + list(range(128, 2049, 128))  # the key counts captured
+
+
+class PrefillGraphs:
+    def __init__(self, runner: ModelRunner) -> None:
+        """Capture a graph per size in GRAPH_TOKENS, largest first, in the decode graphs' pool."""
+        self.runner, self.eager_forward = runner, runner.forward
+        n, int64 = GRAPH_TOKENS[-1], dict(dtype=torch.int64, device=runner.device)
+        # static inputs that every graph reads, (n,) each; cu_seqlens (2,): one sequence
+        self.buffers = {name: torch.zeros(n, **int64)
+                        for name in ("input_ids", "positions", "context_slots")}
+        self.buffers["slot_mapping"] = torch.full((n,), -1, dtype=torch.int32, device=runner.device)
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            self.buffers[name] = torch.tensor([0, n], dtype=torch.int32, device=runner.device)
+        self.hidden = runner.model.lm_head.weight.new_zeros(n, runner.model.lm_head.weight.shape[1])
+        self.num_replays = 0
+        with torch.inference_mode():
+            self.graphs = {size: self._capture(size) for size in reversed(GRAPH_TOKENS)}
+        runner.forward = self.forward
+
+    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+        b = {name: buf if name.startswith("cu_") else buf[:size]
+             for name, buf in self.buffers.items()}
+        graph, model = torch.cuda.CUDAGraph(), self.runner.model
+        with forward_context(ForwardContext(is_prefill=True, max_seqlen_q=size, max_seqlen_k=size,
+                                            **b)):
+            self.hidden[:size] = model(b["input_ids"], b["positions"])  # warm-up, not captured
+            with torch.cuda.graph(graph, self.runner.graphs.pool):
+                self.hidden[:size] = model(b["input_ids"], b["positions"])
+        return graph
+
+    def fits(self, inputs: ForwardContext) -> bool:
+        """A prefill of one sequence whose keys fit the largest graph."""
+        return (inputs.is_prefill and len(inputs.cu_seqlens_q) == 2
+                and len(inputs.context_slots) <= GRAPH_TOKENS[-1])
+
+    @torch.inference_mode()
+    def forward(self, inputs: ForwardContext, input_ids: Tensor | None = None) -> Tensor | None:
+        """ModelRunner.forward: logits (1, V) from a graph when inputs fits one, else eagerly."""
+        if not self.fits(inputs):
+            return self.eager_forward(inputs, input_ids)
+        buf, n = self.buffers, len(inputs.positions)  # n new tokens
+        size = next(s for s in GRAPH_TOKENS if s >= len(inputs.context_slots))
+        for name in ("positions", "slot_mapping", "context_slots", "cu_seqlens_q", "cu_seqlens_k"):
+            array = getattr(inputs, name)
+            buf[name][:len(array)].copy_(pinned(array), non_blocking=True)
+        buf["input_ids"][:n].copy_(pinned(inputs.input_ids) if input_ids is None else input_ids,
+                                   non_blocking=True)
+        buf["slot_mapping"][n:size].fill_(-1)  # padded tokens write the spare block
+        self.graphs[size].replay()
+        self.num_replays += 1
+        last = self.runner.to_device(self.runner._logits_rows(inputs.cu_seqlens_q))  # (1,)
+        return self.runner.model.lm_head(self.hidden[:size], last)  # (1, V)
+
+def attach(engine: LLMEngine) -> PrefillGraphs:
+    return PrefillGraphs(engine.model_runner)
