@@ -19,6 +19,7 @@ from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import ModelRunner
 
 GRAPH_TOKENS = [16, 32, 64] + list(range(128, 2049, 128))  # the key counts captured
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where prefill attention is FlashAttention's
 
 
 class PrefillGraphs:
@@ -42,6 +43,7 @@ class PrefillGraphs:
         b = {name: buf if name.startswith("cu_") else buf[:size]
              for name, buf in self.buffers.items()}
         graph, model = torch.cuda.CUDAGraph(), self.runner.model
+        b["cu_seqlens_q"][1] = b["cu_seqlens_k"][1] = size  # the capture's sequence: every row
         with forward_context(ForwardContext(is_prefill=True, max_seqlen_q=size, max_seqlen_k=size,
                                             **b)):
             self.hidden[:size] = model(b["input_ids"], b["positions"])  # warm-up, not captured
@@ -72,5 +74,7 @@ class PrefillGraphs:
         last = self.runner.to_device(self.runner._logits_rows(inputs.cu_seqlens_q))  # (1,)
         return self.runner.model.lm_head(self.hidden[:size], last)  # (1, V)
 
-def attach(engine: LLMEngine) -> PrefillGraphs:
-    return PrefillGraphs(engine.model_runner)
+def attach(engine: LLMEngine) -> PrefillGraphs | None:
+    """None in float32: its prefill attention (the torch reference) reads cu_seqlens on the host."""
+    runner = engine.model_runner
+    return PrefillGraphs(runner) if runner.config.torch_dtype in FLASH_DTYPES else None
