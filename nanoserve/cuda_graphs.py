@@ -7,7 +7,8 @@ first; a batch of S sequences replays the smallest captured size >= S, its padde
 into the KV cache's spare block (slot -1) and attending to nothing (context 0).
 The LM head runs outside the graphs, but only at captured sizes, all run once at capture: a GEMM
 shape cuBLAS meets for the first time loads a kernel lazily, which stalls the host.
-Owned and called by model_runner on the GPU (not with enforce_eager).
+Owned and called by model_runner on the GPU (not with enforce_eager). A prefill runs eagerly, but
+extensions.prefill_graphs captures graphs for lone prompts in the same memory pool.
 """
 from collections.abc import Callable
 from typing import Any

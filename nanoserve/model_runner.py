@@ -8,8 +8,9 @@ Does not own: which sequences run (scheduler), which blocks they hold (block_man
 graphs (cuda_graphs) or the worker processes (distributed).
 Extension points on the device side: the attention backend (`cascade_attention`: each Attention
 layer's decode), the elementwise kernels (`fused_kernels`: layers.OPS), the cache dtype
-(`kv_cache_dtype="fp8"`) and the sampling hooks (`sampling_hooks`: the logits before and after the
-sampler). Each is looked up once, at start-up, from the settings.
+(`kv_cache_dtype="fp8"`), the sampling hooks (`sampling_hooks`: the logits before and after the
+sampler) and the forward pass (`forward`, which extensions.prefill_graphs replaces on the instance
+to replay a graph for a lone prompt's prefill). Each is looked up once, at start-up.
 Invariant: the KV cache is sized once, at start-up, before any request is admitted.
 Called by: llm_engine (run, shutdown), extensions.overlap (run with input ids on the device).
 """

@@ -95,13 +95,14 @@ def table(exclude: list[str]) -> str:
     lines = head + [f"| `{r.name}` | {r.code} | {r.summary} |" for r in core]
     lines.append(f"| **core** | **{sum(r.code for r in core)}** | "
                  f"budget: {CORE_BUDGET} code lines, {sum(r.total for r in core)} lines in all |")
-    lines += ["", *head]
-    lines += [f"| `{r.name}` | {r.code} | {r.summary}"
-              + (f" (own budget: {OWN_BUDGETS[r.name]})" if r.name in OWN_BUDGETS else "") + " |"
+    # what each extension is: the README's table of extensions, just above this one
+    lines += ["", "| extension module | code lines | budget |", "|---|---:|---|"]
+    lines += [f"| `{r.name}` | {r.code} | "
+              + (f"its own: {OWN_BUDGETS[r.name]}" if r.name in OWN_BUDGETS else "shared") + " |"
               for r in extensions if r.code]
     own = [r for r in counted if r.name in OWN_BUDGETS]
     lines.append(f"| **core + extensions** | **{sum(r.code for r in counted)}** | "
-                 f"budget: {TOTAL_BUDGET} code lines"
+                 f"budget: {TOTAL_BUDGET} shared"
                  + "".join(f" + {OWN_BUDGETS[r.name]} ({r.name.rpartition('/')[2]})" for r in own)
                  + f", {sum(r.total for r in counted)} lines in all |")
     for name in dict.fromkeys(r.name.partition("/")[0] for r in apart):  # a package: one row
