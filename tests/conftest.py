@@ -1,9 +1,17 @@
 """Test-suite switches. NANOSERVE_TEST_SPECULATIVE=ngram runs every engine the tests start with
 speculative decoding on (unless a test sets speculative_method itself): the check that the whole
-suite passes with it, `NANOSERVE_TEST_SPECULATIVE=ngram python -m pytest -q`."""
+suite passes with it, `NANOSERVE_TEST_SPECULATIVE=ngram python -m pytest -q`.
+
+The default model's fixtures that several test modules share (its directory, the chat prompts of
+test_e2e.QUESTIONS, transformers' greedy outputs) live here, once per session: transformers'
+outputs take seconds to compute on a CPU."""
 import os
 
+import pytest
+import torch
+
 from nanoserve.config import Config
+from nanoserve.weights import default_model_dir
 
 if method := os.environ.get("NANOSERVE_TEST_SPECULATIVE"):
     _post_init = Config.__post_init__
@@ -14,3 +22,37 @@ if method := os.environ.get("NANOSERVE_TEST_SPECULATIVE"):
         _post_init(self)
 
     Config.__post_init__ = _speculative_post_init
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def prompts(model_dir: str) -> list[list[int]]:
+    """test_e2e.QUESTIONS as the default model's chat prompts, token ids."""
+    from test_e2e import QUESTIONS
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: str):
+    """The default model in transformers, float32: the full-precision reference."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
+    """Transformers' greedy continuation of each prompt, one at a time (no padding)."""
+    from test_e2e import MAX_TOKENS
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            outs.append(out[0, len(ids):].tolist())
+    return outs

@@ -240,8 +240,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("engine", ["nanoserve", "hf", "hf-cb"])
-def test_engine_smoke_on_tiny_model(tiny_model, engine):
-    """Each engine runs a small w2 end to end on the CPU and returns every requested token."""
+def test_engine_smoke_on_tiny_model(tiny_model, engine, monkeypatch):
+    """Each engine runs a small w2 end to end on the CPU and returns every requested token (one
+    timed run: the repeats of a short run are test_timeline_records_the_first_timed_run_only's)."""
+    monkeypatch.setattr(bench, "MIN_TIMED_SECONDS", 0.0)
     wl = bench.make_w2(num_seqs=3, prefix_len=16, min_own=4, max_own=8, output_len=4)
     args = argparse.Namespace(eager=True, tp=1, hf_batch_size=2)
     row = bench.run_engine(engine, bench.ENGINES[engine], tiny_model, wl, args, "cpu")

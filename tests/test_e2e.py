@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.overlap import PENDING
 from nanoserve.extensions.stats import scheduler_stats
-from nanoserve.weights import default_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -32,36 +30,6 @@ QUESTIONS = [
 ]
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return default_model_dir()
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir: str) -> list[list[int]]:
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for q in QUESTIONS]
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir: str) -> AutoModelForCausalLM:
-    """The default model in transformers, float32: the full-precision reference."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
-    """Transformers' greedy continuation of each prompt, one at a time (no padding)."""
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
 
 
 @pytest.mark.parametrize("overlap", [True, False])

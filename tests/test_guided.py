@@ -10,7 +10,6 @@ import re
 
 import jsonschema
 import pytest
-from test_e2e import model_dir  # noqa: F401
 from transformers import AutoTokenizer
 
 from nanoserve import LLM, GuidedDecodingParams, SamplingParams
@@ -84,13 +83,13 @@ REGEXES = {  # question -> the regular expression its answer must match in full
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir):  # noqa: F811
+def llm(model_dir):
     with LLM(model_dir) as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
-def chat(model_dir):  # noqa: F811
+def chat(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     return lambda q: tok.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=False)
@@ -186,7 +185,7 @@ def test_unguided_seeded_request_keeps_its_tokens_in_a_mixed_batch(llm, chat):
     assert re.fullmatch(r"\d{3}-\d{4}", outs[2]["text"])
 
 
-def test_same_tokens_with_overlap_speculation_and_preemption(model_dir, chat):  # noqa: F811
+def test_same_tokens_with_overlap_speculation_and_preemption(model_dir, chat):
     """Greedy and seeded guided requests give the same tokens with overlap scheduling on (the
     default) and off, with speculative decoding (drafts checked by the grammar), with a KV cache
     so small that sequences are preempted and recomputed, and with prompts prefilled in chunks."""
