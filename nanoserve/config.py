@@ -75,13 +75,14 @@ class Config:
     max_model_len: int = 4096  # most tokens (prompt + output) of one sequence
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV + activations
     tensor_parallel_size: int = 1  # ranks; each holds 1/tp of the heads and of the MLP
-    enforce_eager: bool = False  # True: no CUDA graphs (decode steps, a lone prompt's prefill)
+    enforce_eager: bool = False  # True: no CUDA graphs (decode steps, nor prefill_graphs')
     kvcache_block_size: int = 16  # tokens per KV block (the paging unit)
     num_kvcache_blocks: int | None = None  # None: sized from free memory; an int overrides
     enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes across requests
     overlap_scheduling: bool = True  # launch the next step while this one runs (one rank only)
     cascade_attention: bool = True  # GPU decode: split-KV, and a shared prefix read once
     fused_kernels: bool = True  # GPU: norm + rotary + KV store in one kernel, compiled elementwise
+    prefill_graphs: bool = True  # GPU, one rank: a lone prompt's prefill replays a CUDA graph
     dtype: str = "auto"  # "auto": 16-bit on GPU (bf16 for a float32 checkpoint), float32 on CPU
     device: str = "auto"  # "auto": "cuda" when available, else "cpu"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3, half the bytes

@@ -122,11 +122,11 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         self.extensions: dict[str, object] = {}  # name -> what its attach() returned
         self.timeline = None  # with timeline=True, the record of every step
         self.num_sampled = 0  # tokens sampled since start-up
-        # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait for
-        # them tells it the workers have read a call; prefill graphs too (captured by rank 0 alone)
+        # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait
+        # for them is also what tells it the workers have read a call before the next one
         for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
                          ("speculative", cfg.speculative_method), ("trace", cfg.trace),
-                         ("timeline", cfg.timeline), ("prefill_graphs", self.workers is None
+                         ("timeline", cfg.timeline), ("prefill_graphs", cfg.prefill_graphs
                                                       and self.model_runner.graphs is not None)):
             if on:
                 self._attach(name)
@@ -214,8 +214,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
 
     def stream_step(self) -> list[RequestOutput]:
         """Run one step; return what it added to each streamed request (new tokens, new text)."""
-        finished, batch = self.step()
-        return [out for seq in batch.seqs if (out := self._stream_output(seq)) is not None]
+        return [out for seq in self.step()[1].seqs if (out := self._stream_output(seq)) is not None]
 
     def stream(self, prompt: str | list[int],
                params: SamplingParams | None = None) -> Iterator[RequestOutput]:

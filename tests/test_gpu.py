@@ -159,15 +159,17 @@ def test_prefill_graphs_match_transformers(model_dir):
 
 def test_core_alone_matches_the_extensions(model_dir):
     """The core's plain paths (no overlap, no cascade or split-KV decode, no fused kernels or race
-    sampler; CUDA graphs on, with the core's KV store) against the default engine: the same greedy
-    tokens up to near-ties, logprobs close. 40 sequences share a prefix: the cascade kernel runs."""
+    sampler, no prefill graphs; decode graphs on, with the core's KV store) against the default
+    engine: the same greedy tokens up to near-ties, logprobs close. 40 sequences share a prefix:
+    the cascade kernel runs."""
     system = prompts(n=1, seed=2)[0][:5] * 20
     prompt_list = [system + t[:40] for t in prompts(n=40, seed=4)]
     results = {}
     for on in (True, False):
         with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, overlap_scheduling=on,
-                 cascade_attention=on, fused_kernels=on) as llm:
+                 cascade_attention=on, fused_kernels=on, prefill_graphs=on) as llm:
             assert (llm.model_runner.cascade is not None) == on == ("overlap" in llm.extensions)
+            assert ("prefill_graphs" in llm.extensions) == on
             results[on] = record_logprobs(llm, prompt_list)
     # the fused kernels round as one kernel what the plain ops round step by step (0.26 nats at
     # most, measured on the llama shape): the tolerance against transformers, not SAME_ENGINE_TOL

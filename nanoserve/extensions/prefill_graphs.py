@@ -8,7 +8,8 @@ request's time to first token. Here a prefill of one sequence with at most GRAPH
 holds them: new tokens and keys padded to that size, the padded tokens writing the spare block
 (slot -1) and read by no query (the sequence ends before them, by cu_seqlens). Batches of several
 sequences, and longer prompts, run eagerly. Attaches at the model runner's forward pass
-(`ModelRunner.forward`), on one GPU rank with CUDA graphs (not enforce_eager).
+(`ModelRunner.forward`) with `prefill_graphs=True` (the default), on one GPU rank with CUDA graphs
+(not enforce_eager).
 """
 import torch
 from torch import Tensor
@@ -75,6 +76,10 @@ class PrefillGraphs:
         return self.runner.model.lm_head(self.hidden[:size], last)  # (1, V)
 
 def attach(engine: LLMEngine) -> PrefillGraphs | None:
-    """None in float32: its prefill attention (the torch reference) reads cu_seqlens on the host."""
+    """None with tensor parallelism (graphs captured by rank 0 alone would hold all-reduces the
+    other ranks never join) and in float32 (its prefill attention, the torch reference, reads
+    cu_seqlens on the host)."""
     runner = engine.model_runner
-    return PrefillGraphs(runner) if runner.config.torch_dtype in FLASH_DTYPES else None
+    if engine.workers is not None or runner.config.torch_dtype not in FLASH_DTYPES:
+        return None
+    return PrefillGraphs(runner)
