@@ -14,7 +14,6 @@ sequences, and longer prompts, run eagerly. Attaches at the model runner's forwa
 import torch
 from torch import Tensor
 
-from nanoserve.cuda_graphs import pinned
 from nanoserve.layers import ForwardContext, forward_context
 from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import ModelRunner
@@ -64,16 +63,18 @@ class PrefillGraphs:
             return self.eager_forward(inputs, input_ids)
         buf, n = self.buffers, len(inputs.positions)  # n new tokens
         size = next(s for s in GRAPH_TOKENS if s >= len(inputs.context_slots))
+        to_device = self.runner.to_device  # (from pinned memory on CUDA: no wait)
         for name in ("positions", "slot_mapping", "context_slots", "cu_seqlens_q", "cu_seqlens_k"):
             array = getattr(inputs, name)
-            buf[name][:len(array)].copy_(pinned(array), non_blocking=True)
-        buf["input_ids"][:n].copy_(pinned(inputs.input_ids) if input_ids is None else input_ids,
+            buf[name][:len(array)].copy_(to_device(array), non_blocking=True)
+        buf["input_ids"][:n].copy_(to_device(inputs.input_ids) if input_ids is None else input_ids,
                                    non_blocking=True)
         buf["slot_mapping"][n:size].fill_(-1)  # padded tokens write the spare block
         self.graphs[size].replay()
         self.num_replays += 1
-        last = self.runner.to_device(self.runner._logits_rows(inputs.cu_seqlens_q))  # (1,)
-        return self.runner.model.lm_head(self.hidden[:size], last)  # (1, V)
+        # logits at the last new token only: (1, V), the LM head's shape of a one-sequence decode
+        return self.runner.model.lm_head(self.hidden[n - 1:n])
+
 
 def attach(engine: LLMEngine) -> PrefillGraphs | None:
     """None with tensor parallelism (graphs captured by rank 0 alone would hold all-reduces the

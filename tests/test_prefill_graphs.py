@@ -1,0 +1,61 @@
+"""extensions.prefill_graphs on the CPU: which prefills replay a graph, and the inputs they replay
+with (the tokens and keys padded to a graph's size, the padded tokens writing the spare block).
+CUDA graphs need a GPU (tests/test_gpu.py captures them); here each "graph" replays by running
+the model eagerly on the graphs' buffers, what a capture records, so the padding, the choice of
+size and the logits row meet the default model and must give transformers' greedy tokens."""
+import pytest
+from test_e2e import GREEDY
+
+from nanoserve import LLM
+from nanoserve.extensions import prefill_graphs
+from nanoserve.layers import ForwardContext, forward_context
+
+pytestmark = pytest.mark.slow
+
+
+class EagerGraph:
+    """A stand-in for the CUDA graph of one size: replay() runs the forward pass that the capture
+    would have recorded, on the same buffers."""
+
+    def __init__(self, graphs: prefill_graphs.PrefillGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        size, buffers = self.size, self.graphs.buffers
+        b = {name: buf if name.startswith("cu_") else buf[:size] for name, buf in buffers.items()}
+        with forward_context(ForwardContext(is_prefill=True, max_seqlen_q=size, max_seqlen_k=size,
+                                            **b)):
+            self.graphs.hidden[:size] = self.graphs.runner.model(b["input_ids"], b["positions"])
+
+
+@pytest.fixture
+def llm(model_dir, monkeypatch):
+    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "_capture",
+                        lambda graphs, size: EagerGraph(graphs, size))
+    with LLM(model_dir, max_model_len=1024) as llm:
+        assert "prefill_graphs" not in llm.extensions  # no decode graphs on the CPU: not attached
+        llm.extensions["prefill_graphs"] = prefill_graphs.PrefillGraphs(llm.model_runner)
+        yield llm
+
+
+def test_lone_prompts_replay_and_match_transformers(llm, prompts, hf_outputs):
+    """Two prompts one at a time, then again as prefix-cache hits (fewer new tokens than keys):
+    every prefill replays, with transformers' greedy tokens; a batch of two runs eagerly."""
+    graphs = llm.extensions["prefill_graphs"]
+    for run in ("computed", "cached"):
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:2]]
+        assert [o["token_ids"] for o in outs] == hf_outputs[:2], run
+    assert graphs.num_replays == 4
+    assert all(o["num_cached_tokens"] > 0 for o in outs)
+    outs = llm.generate(prompts[2:4], GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == hf_outputs[2:4] and graphs.num_replays == 4
+
+
+def test_what_fits_a_graph(llm):
+    graphs, largest = llm.extensions["prefill_graphs"], prefill_graphs.GRAPH_TOKENS[-1]
+    one = dict(is_prefill=True, slot_mapping=None, cu_seqlens_q=[0, 5])
+    assert graphs.fits(ForwardContext(**one, context_slots=range(largest)))
+    assert not graphs.fits(ForwardContext(**one, context_slots=range(largest + 1)))
+    assert not graphs.fits(ForwardContext(is_prefill=True, slot_mapping=None,
+                                          cu_seqlens_q=[0, 5, 9], context_slots=range(9)))
+    assert not graphs.fits(ForwardContext(is_prefill=False, slot_mapping=None))
