@@ -107,7 +107,7 @@ def test_seeded_and_greedy_outputs_are_the_same_on_and_off(model_dir, prompts, e
                for i in range(len(chats))] + [GREEDY] * len(chats))
     with LLM(model_dir, overlap_scheduling=False) as llm:
         off = token_ids(llm.generate(chats * 2, params, use_tqdm=False))
-    for k in (1, 4, 8):
+    for k in (1, 8):  # one draft, and the default (4: the other tests here)
         with LLM(model_dir, speculative_method="ngram", num_speculative_tokens=k) as llm:
             on = token_ids(llm.generate(chats * 2, params, use_tqdm=False))
         assert near_ties(on, off) == 0, f"num_speculative_tokens={k}"
