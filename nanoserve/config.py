@@ -75,7 +75,7 @@ class Config:
     max_model_len: int = 4096  # most tokens (prompt + output) of one sequence
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV + activations
     tensor_parallel_size: int = 1  # ranks; each holds 1/tp of the heads and of the MLP
-    enforce_eager: bool = False  # True: no CUDA graphs (decode steps, nor prefill_graphs')
+    enforce_eager: bool = False  # True: no CUDA graphs (decode steps eager, prefill_graphs off)
     kvcache_block_size: int = 16  # tokens per KV block (the paging unit)
     num_kvcache_blocks: int | None = None  # None: sized from free memory; an int overrides
     enable_prefix_caching: bool = True  # reuse KV blocks of equal prompt prefixes across requests

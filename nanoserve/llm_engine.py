@@ -107,6 +107,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
                              f"fields of nanoserve.config.Config: {names}")
         self.config = cfg = Config(model or default_model_dir(), **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        # ranks 1..N-1 in their own processes
         self.workers = Workers(cfg, ModelRunner) if cfg.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
         atexit.register(self.shutdown)
@@ -132,7 +133,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
                 self._attach(name)
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
         # out of Python's full garbage collections, which scan every object alive and pause the
-        # engine (docs/performance.md); shutdown unfreezes them.
+        # engine while they do (docs/performance.md); shutdown unfreezes them.
         gc.collect()
         gc.freeze()
 
