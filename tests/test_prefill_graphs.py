@@ -7,6 +7,7 @@ import pytest
 from test_e2e import GREEDY
 
 from nanoserve import LLM
+from nanoserve.config import cdiv
 from nanoserve.extensions import prefill_graphs
 from nanoserve.layers import ForwardContext, forward_context
 
@@ -28,11 +29,13 @@ class EagerGraph:
             self.graphs.hidden[:size] = self.graphs.runner.model(b["input_ids"], b["positions"])
 
 
-@pytest.fixture
-def llm(model_dir, monkeypatch):
+@pytest.fixture(params=[16384, 16], ids=["whole", "chunked"])
+def llm(model_dir, monkeypatch, request):
+    """An engine with prefill graphs whose graphs replay eagerly; "chunked": 16 tokens a step, so
+    a prompt's later chunks replay with its earlier chunks as cached keys."""
     monkeypatch.setattr(prefill_graphs.PrefillGraphs, "_capture",
                         lambda graphs, size: EagerGraph(graphs, size))
-    with LLM(model_dir, max_model_len=1024) as llm:
+    with LLM(model_dir, max_model_len=1024, max_num_batched_tokens=request.param) as llm:
         assert "prefill_graphs" not in llm.extensions  # no decode graphs on the CPU: not attached
         llm.extensions["prefill_graphs"] = prefill_graphs.PrefillGraphs(llm.model_runner)
         yield llm
@@ -41,14 +44,20 @@ def llm(model_dir, monkeypatch):
 def test_lone_prompts_replay_and_match_transformers(llm, prompts, hf_outputs):
     """Two prompts one at a time, then again as prefix-cache hits (fewer new tokens than keys):
     every prefill replays, with transformers' greedy tokens; a batch of two runs eagerly."""
-    graphs = llm.extensions["prefill_graphs"]
+    graphs, step = llm.extensions["prefill_graphs"], llm.config.max_num_batched_tokens
     for run in ("computed", "cached"):
+        replays = graphs.num_replays
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:2]]
         assert [o["token_ids"] for o in outs] == hf_outputs[:2], run
-    assert graphs.num_replays == 4
+        # a step per chunk of the prompt's uncached tokens (the chat template's shared start is
+        # cached from the first prompt on), each a replay
+        chunks = [cdiv(len(p) - o["num_cached_tokens"], step) for p, o in zip(prompts, outs)]
+        assert graphs.num_replays - replays == sum(chunks), run
     assert all(o["num_cached_tokens"] > 0 for o in outs)
+    replays = graphs.num_replays
     outs = llm.generate(prompts[2:4], GREEDY, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == hf_outputs[2:4] and graphs.num_replays == 4
+    assert [o["token_ids"] for o in outs] == hf_outputs[2:4]
+    assert graphs.num_replays == replays or step < max(map(len, prompts[2:4]))  # chunks go alone
 
 
 def test_what_fits_a_graph(llm):
