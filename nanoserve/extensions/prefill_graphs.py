@@ -14,6 +14,7 @@ sequences, and longer prompts, run eagerly. Attaches at the model runner's forwa
 import torch
 from torch import Tensor
 
+from nanoserve.cuda_graphs import pinned
 from nanoserve.layers import ForwardContext, forward_context
 from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import ModelRunner
@@ -63,11 +64,12 @@ class PrefillGraphs:
             return self.eager_forward(inputs, input_ids)
         buf, n = self.buffers, len(inputs.positions)  # n new tokens
         size = next(s for s in GRAPH_TOKENS if s >= len(inputs.context_slots))
-        to_device = self.runner.to_device  # (from pinned memory on CUDA: no wait)
+        # straight into the buffers, as DecodeGraphs.replay copies (from pinned memory on CUDA)
+        host = pinned if self.runner.device.type == "cuda" else torch.from_numpy
         for name in ("positions", "slot_mapping", "context_slots", "cu_seqlens_q", "cu_seqlens_k"):
             array = getattr(inputs, name)
-            buf[name][:len(array)].copy_(to_device(array), non_blocking=True)
-        buf["input_ids"][:n].copy_(to_device(inputs.input_ids) if input_ids is None else input_ids,
+            buf[name][:len(array)].copy_(host(array), non_blocking=True)
+        buf["input_ids"][:n].copy_(host(inputs.input_ids) if input_ids is None else input_ids,
                                    non_blocking=True)
         buf["slot_mapping"][n:size].fill_(-1)  # padded tokens write the spare block
         self.graphs[size].replay()
