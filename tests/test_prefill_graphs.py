@@ -9,24 +9,20 @@ from test_e2e import GREEDY
 from nanoserve import LLM
 from nanoserve.config import cdiv
 from nanoserve.extensions import prefill_graphs
-from nanoserve.layers import ForwardContext, forward_context
+from nanoserve.layers import ForwardContext
 
 pytestmark = pytest.mark.slow
 
 
 class EagerGraph:
     """A stand-in for the CUDA graph of one size: replay() runs the forward pass that the capture
-    would have recorded, on the same buffers."""
+    would have recorded (PrefillGraphs.run), on the same buffers."""
 
     def __init__(self, graphs: prefill_graphs.PrefillGraphs, size: int) -> None:
         self.graphs, self.size = graphs, size
 
     def replay(self) -> None:
-        size, buffers = self.size, self.graphs.buffers
-        b = {name: buf if name.startswith("cu_") else buf[:size] for name, buf in buffers.items()}
-        with forward_context(ForwardContext(is_prefill=True, max_seqlen_q=size, max_seqlen_k=size,
-                                            **b)):
-            self.graphs.hidden[:size] = self.graphs.runner.model(b["input_ids"], b["positions"])
+        self.graphs.run(self.size)
 
 
 @pytest.fixture(params=[16384, 16], ids=["whole", "chunked"])

@@ -41,16 +41,20 @@ class PrefillGraphs:
         runner.forward = self.forward
 
     def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        self.buffers["cu_seqlens_q"][1] = self.buffers["cu_seqlens_k"][1] = size  # every row
+        self.run(size)  # warm-up, not captured
+        with torch.cuda.graph(graph, self.runner.graphs.pool):
+            self.run(size)
+        return graph
+
+    def run(self, size: int) -> None:
+        """The forward pass a graph of `size` holds: the first size rows of the buffers."""
         b = {name: buf if name.startswith("cu_") else buf[:size]
              for name, buf in self.buffers.items()}
-        graph, model = torch.cuda.CUDAGraph(), self.runner.model
-        b["cu_seqlens_q"][1] = b["cu_seqlens_k"][1] = size  # the capture's sequence: every row
         with forward_context(ForwardContext(is_prefill=True, max_seqlen_q=size, max_seqlen_k=size,
                                             **b)):
-            self.hidden[:size] = model(b["input_ids"], b["positions"])  # warm-up, not captured
-            with torch.cuda.graph(graph, self.runner.graphs.pool):
-                self.hidden[:size] = model(b["input_ids"], b["positions"])
-        return graph
+            self.hidden[:size] = self.runner.model(b["input_ids"], b["positions"])
 
     def fits(self, inputs: ForwardContext) -> bool:
         """A prefill of one sequence whose keys fit the largest graph."""
