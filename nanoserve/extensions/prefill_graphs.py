@@ -1,9 +1,9 @@
 """Prefill graphs: a lone prompt's prefill replays a CUDA graph, as every decode step does.
 
 A prefill step runs its layers eagerly, since it takes any number of tokens: about ten launches
-per layer, each 20-60 µs of host time, so the first step of a 560-token prompt on Qwen3-0.6B
-costs ~20 ms of host time for ~3 ms of GPU work (docs/serving.md §7), and that is most of a lone
-request's time to first token. Here a prefill of one sequence with at most GRAPH_TOKENS[-1] keys
+per layer, each paid in host time, so a lone prompt's first step spends several times its GPU
+work on the host, and that is most of a lone request's time to first token (docs/serving.md §7
+measures both). Here a prefill of one sequence with at most GRAPH_TOKENS[-1] keys
 (its cached prefix and its new tokens) replays the graph captured for the smallest size that
 holds them: new tokens and keys padded to that size, the padded tokens writing the spare block
 (slot -1) and read by no query (the sequence ends before them, by cu_seqlens). Batches of several
