@@ -4,14 +4,16 @@
                   what the engine runs on the GPU by default) at Qwen3-0.6B's heads (16 q / 8 KV,
                   head dim 128, bf16, block 16), context 1024: bytes each must read (K and V of
                   every sequence, q, out) over its time, as a fraction of the HBM bandwidth. Inputs
-                  rotate through more memory than L2 holds, so every read is a real HBM read.
+                  rotate through more memory than L2 holds, so every read is a real HBM read. Calls
+                  are timed as CUDA-graph replays, as the engine runs decode: no launch time.
   sampler         the sampler as the engine runs it on the GPU (kernels.sampling.sample, compiled
                   by extensions.fused) over Qwen's 151,936 bf16 logits per row, GPU time from
                   CUDA-graph replays (no launch time).
   W1's shapes     both kernels with a bf16 and an fp8 (e4m3) cache at the batches and contexts of
                   W1's decode steps: after t of its steps, the requests still running with their
-                  prompt + t tokens each (t = 1, 256, 512, 768); bytes read over time against the
-                  HBM bandwidth. `--w1-shapes` runs this part alone.
+                  prompt + t tokens each (t = 1, 256, 512, 768), longest context first as the
+                  scheduler orders a batch; bytes read over time against the HBM bandwidth.
+                  `--w1-shapes` runs this part alone.
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
                   Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
                   1024.
@@ -19,6 +21,7 @@
     python bench_micro.py [--bandwidth 3.35e12] [--json out.json] [--w1-shapes]
 """
 import argparse
+import functools
 import json
 from collections.abc import Callable
 
@@ -75,14 +78,21 @@ def time_decode(decode_fn: Callable, context_lens: list[int],
             tables[i, :len(own)] = own
         sets.append((q, k, v, tables))
     lens = torch.tensor(context_lens, device="cuda", dtype=torch.int32)
-    calls = [0]
+    # one graph of >= 12 calls, each on the next copy, so nothing is served from L2
+    calls = [functools.partial(decode_fn, *inputs, lens, D ** -0.5) for inputs in sets]
+    return time_graph(calls * -(-12 // copies)), kv_bytes + 2 * batch * H * D * 2
 
-    def call() -> None:  # a different copy each call, so nothing is served from L2
-        q, k, v, tables = sets[calls[0] % copies]
-        calls[0] += 1
-        decode_fn(q, k, v, tables, lens, D ** -0.5)
 
-    return time_cuda(call, iters=50), kv_bytes + 2 * batch * H * D * 2
+def time_graph(calls: list[Callable]) -> float:
+    """Median seconds of one of `calls`, from replays of a CUDA graph that runs them all in turn:
+    no launch time, as in the engine's decode graphs."""
+    for fn in calls:  # compile outside the graph
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    return time_cuda(graph.replay, iters=10) / len(calls)
 
 
 def decode_kernel(name: str, decode_fn: Callable, batch: int, bandwidth: float) -> dict:
@@ -96,7 +106,8 @@ def w1_step_kernel(name: str, decode_fn: Callable, step: int, kv: str, bandwidth
     """One decode kernel at W1's decode step `step`: its running requests, each with its prompt
     plus `step` tokens of context, over a cache of dtype kv; bytes read / time / bandwidth."""
     w1 = make_w1()
-    lens = [len(p) + step for p, n in zip(w1.prompts, w1.output_lens) if n > step]
+    lens = sorted((len(p) + step for p, n in zip(w1.prompts, w1.output_lens) if n > step),
+                  reverse=True)  # the scheduler's order: longest context first
     seconds, bytes_read = time_decode(decode_fn, lens, KV_DTYPES[kv])
     return {"kernel": name, "kv": kv, "step": step, "batch": len(lens),
             "mean_context": sum(lens) / len(lens), "us": seconds * 1e6, "bytes": bytes_read,
