@@ -131,3 +131,18 @@ def test_jittered_counts_compares_each_jittered_run_with_one_reference() -> None
     assert len(counts) == len(j["mean_abs_dlogprob_per_run"]) == 2 and set(counts) <= {0, 1}
     assert j["runs_with_half_or_more"] == sum(counts) and not j["probe"]
     assert all(0 <= m < 0.2 for m in j["mean_abs_dlogprob_per_run"])
+
+
+@pytest.mark.skipif(kernels.INTERPRETED, reason="the interpreter replaces the kernels' compiler")
+def test_kernel_report_reads_the_fp8_decode_loop(capsys: pytest.CaptureFixture) -> None:
+    """kernel_report.py compiles for sm_90 on this CPU. With its alignment hints the fp8 kernel's
+    K/V tiles go to shared memory asynchronously, and the main loop it finds converts e4m3 pairs
+    and runs the products on tensor cores."""
+    kernel_report = pytest.importorskip("kernel_report")
+    name, kernel, cache, constexprs, warps = next(case for case in kernel_report.cases()
+                                                  if case[0] == "paged_decode fp8e4nv")
+    compiled = kernel_report.compile_sm90(kernel, cache, constexprs, warps)
+    kernel_report.report(name, compiled, warps, top=40)
+    out = capsys.readouterr().out
+    assert "cp.async tiles ['128x128']" in out and "programs an SM" in out
+    assert "F2FP" in out and "HMMA" in out
