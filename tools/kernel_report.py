@@ -1,10 +1,11 @@
 """kernel_report.py: what the decode kernels compile to for an H100 (a developer tool, no GPU).
 
-Compiles the core's paged-decode kernel and the cascade extension's decode kernel for sm_90 with
-the launch settings the engine uses (Qwen3-0.6B's heads: GQA group 2, head dim 128, blocks of
-16), once with a bf16 and once with an fp8 cache, and prints for each: registers per thread,
-shared memory, how many programs of its warps fit an SM, which loads the pipeliner made
-asynchronous (`cp.async` into shared memory), and the instructions of the main loop by opcode.
+Compiles the core's paged-decode kernel and the cascade extension's decode kernel (one split, no
+shared prefix) for sm_90 with the engine's launch settings at Qwen3-0.6B's heads (GQA group 2,
+head dim 128, blocks of 16), once with a bf16 and once with an fp8 cache, and prints for each:
+registers per thread, shared memory, how many programs of its warps fit an SM, which loads the
+pipeliner made asynchronous (`cp.async` into shared memory), and the main loop's instructions by
+opcode.
 Pointer and stride arguments get the divisible-by-16 hint that aligned arguments get at run
 time; without it Triton cannot vectorize or pipeline the K/V loads and the figures mislead.
 docs/performance.md reads these figures against the kernels' measured bandwidth.
