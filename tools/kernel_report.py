@@ -47,20 +47,27 @@ def cases() -> list[tuple[str, triton.JITFunction, str, dict, int]]:
     return rows
 
 
-def compile_sm90(kernel: triton.JITFunction, cache: str, constexprs: dict, warps: int):
-    """The kernel compiled for sm_90: int32 scalars, fp32 scales, bf16 tensors but the cache's,
-    int32 tables and lengths; pointers and strides hinted divisible by 16."""
-    def arg_type(name: str) -> str:
-        if name in ("k_cache_ptr", "v_cache_ptr"):
-            return cache
-        if name in ("block_tables_ptr", "context_lens_ptr", "num_common_ptr"):
-            return "*i32"
-        if name.endswith("_ptr"):
-            return "*fp32" if name.startswith("part_") else "*bf16"
-        return "fp32" if name.endswith("scale") else "i32"
+POINTER_TYPES = {  # element types of pointer arguments; others hold the model dtype (bf16)
+    "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cos_sin_ptr": "*fp32",
+    "positions_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+    "num_common_ptr": "*i32", "slot_mapping_ptr": "*i32"}
 
+
+def argument_type(name: str, cache: str = "*bf16") -> str:
+    """Triton's type of a kernel argument that is not a constexpr, from its name."""
+    if name in ("k_cache_ptr", "v_cache_ptr"):
+        return cache
+    if name.endswith("_ptr"):
+        return POINTER_TYPES.get(name, "*bf16")
+    return "fp32" if name in ("qk_scale", "v_scale", "eps") else "i32"
+
+
+def compile_sm90(kernel: triton.JITFunction, cache: str, constexprs: dict, warps: int = 4):
+    """The kernel compiled for sm_90, its KV cache pointers of type `cache`; pointers and strides
+    hinted divisible by 16, as aligned arguments are at run time."""
     params = kernel.params
-    signature = {p.name: "constexpr" if p.is_constexpr else arg_type(p.name) for p in params}
+    signature = {p.name: "constexpr" if p.is_constexpr else argument_type(p.name, cache)
+                 for p in params}
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
                if not p.is_constexpr and (p.name.endswith("_ptr") or "stride" in p.name)}
     index = {p.name: i for i, p in enumerate(params)}
