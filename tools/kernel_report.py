@@ -35,15 +35,17 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 def cases() -> list[tuple[str, triton.JITFunction, str, dict, int]]:
     """(name, kernel, cache pointer type, constexprs, warps) as the engine launches them."""
     rows = []
-    for cache, tile, cascade_tile in (("*bf16", decode.TILE_TOKENS, cascade.DECODE_TILE_TOKENS),
-                                      ("*fp8e4nv", decode.TILE_TOKENS_FP8,
-                                       cascade.DECODE_TILE_TOKENS_FP8)):
+    for cache, tile in (("*bf16", decode.TILE_TOKENS), ("*fp8e4nv", decode.TILE_TOKENS_FP8)):
         rows.append((f"paged_decode {cache[1:]}", decode._paged_decode_kernel, cache,
                      dict(SHAPES, TILE=tile, NUM_STAGES=decode.NUM_STAGES), 4))
+    # the cascade kernel runs an fp8 cache's products transposed: the group pads to 8, 2 warps
+    for cache, group_pad, warps in (("*bf16", SHAPES["GROUP_PAD"], cascade.DECODE_NUM_WARPS),
+                                    ("*fp8e4nv", cascade.FP8_GROUP_ROWS,
+                                     cascade.DECODE_NUM_WARPS_FP8)):
         rows.append((f"cascade_decode {cache[1:]}", cascade._cascade_decode_kernel, cache,
-                     dict(SHAPES, BLOCKS_PER_ITER=cascade_tile // 16, CASCADE=False,
-                          SINGLE_SPLIT=True, NUM_STAGES=cascade.DECODE_NUM_STAGES),
-                     cascade.DECODE_NUM_WARPS))
+                     dict(SHAPES, GROUP_PAD=group_pad, CASCADE=False, SINGLE_SPLIT=True,
+                          BLOCKS_PER_ITER=cascade.DECODE_TILE_TOKENS // 16,
+                          NUM_STAGES=cascade.DECODE_NUM_STAGES), warps))
     return rows
 
 

@@ -5,8 +5,8 @@ For each case (batch S, contexts drawn uniformly from lo-hi tokens, the batch un
 longest first, as the scheduler orders it), and each (tile tokens, pipeline stages, warps) setting,
 it times 20 calls captured in one CUDA graph and reports microseconds per call and the fraction of
 HBM bandwidth (the K/V bytes the call must read over its time). Qwen3-0.6B heads: 16 q / 8 KV, head
-dim 128, bf16 queries, block 16; the cache in bf16, or fp8 (--kv-cache-dtype fp8, whose tile is
-DECODE_TILE_TOKENS_FP8). The sorted and unsorted cases draw their own context lengths from the same
+dim 128, bf16 queries, block 16; the cache in bf16, or fp8 (--kv-cache-dtype fp8, whose warps are
+DECODE_NUM_WARPS_FP8). The sorted and unsorted cases draw their own context lengths from the same
 range, so compare their bandwidth fractions, not their microseconds.
 
     python tools/sweep_decode.py [--kv-cache-dtype bf16,fp8] [--sorted]
@@ -30,9 +30,9 @@ NANOSERVE = (cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES, cascade.DECO
 CONFIGS = [NANOSERVE] + [c for c in [(64, 3, 4), (64, 2, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4),
                                      (32, 2, 4), (128, 2, 4), (128, 2, 8), (64, 3, 8), (32, 3, 2)]
                          if c != NANOSERVE]  # (tile tokens, stages, warps); nanoserve's first
-NANOSERVE_FP8 = (cascade.DECODE_TILE_TOKENS_FP8, cascade.DECODE_NUM_STAGES,
-                 cascade.DECODE_NUM_WARPS)
-CONFIGS_FP8 = [NANOSERVE_FP8] + [c for c in [(64, 2, 4), (128, 2, 4), (64, 3, 4), (128, 3, 4)]
+NANOSERVE_FP8 = (cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES,
+                 cascade.DECODE_NUM_WARPS_FP8)
+CONFIGS_FP8 = [NANOSERVE_FP8] + [c for c in [(64, 3, 4), (64, 2, 2), (32, 3, 2), (128, 3, 4)]
                                  if c != NANOSERVE_FP8]  # 8 warps or 256 rows were far slower
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
@@ -77,8 +77,8 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
     # (num_blocks, B, Hkv, D), ~2 GB each in bf16: far past L2
     k = torch.randn(num_blocks, B, Hkv, D, device="cuda").to(CACHE_DTYPES[cache])
     v = torch.randn_like(k, dtype=torch.float32).to(CACHE_DTYPES[cache])
-    configs, tile_name = ((CONFIGS_FP8, "DECODE_TILE_TOKENS_FP8") if cache == "fp8"
-                          else (CONFIGS, "DECODE_TILE_TOKENS"))
+    configs, warps_name = ((CONFIGS_FP8, "DECODE_NUM_WARPS_FP8") if cache == "fp8"
+                           else (CONFIGS, "DECODE_NUM_WARPS"))
     for S, lo, hi in CASES:
         for sort in sorts:
             q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks, k.element_size())
@@ -86,8 +86,8 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
             for splits in sorted({default, 1, 2}):
                 for tile, stages, warps in configs if splits == default else configs[:1]:
                     # cascade_decode reads its launch settings from these constants at each call
-                    setattr(cascade, tile_name, tile)
-                    cascade.DECODE_NUM_STAGES, cascade.DECODE_NUM_WARPS = stages, warps
+                    cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES = tile, stages
+                    setattr(cascade, warps_name, warps)
                     t = graph_time(functools.partial(cascade.cascade_decode, q, k, v, tables,
                                                      lens, D ** -0.5, num_splits=splits))
                     row = dict(cache=cache, S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits,
@@ -95,8 +95,8 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
                                bw=round(nbytes / t / BANDWIDTH, 3))
                     print(row, flush=True)
                     results.append(row)
-    setattr(cascade, tile_name, configs[0][0])
-    cascade.DECODE_NUM_STAGES, cascade.DECODE_NUM_WARPS = configs[0][1:]
+    cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES = configs[0][:2]
+    setattr(cascade, warps_name, configs[0][2])
 
 
 def main() -> None:

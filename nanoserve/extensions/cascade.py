@@ -25,11 +25,11 @@ from nanoserve.layers import ForwardContext
 from nanoserve.models import DecoderModel
 
 # Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
-DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks): more bytes in flight per program
-DECODE_TILE_TOKENS_FP8 = 128  # an fp8 cache's rows are half the bytes: twice the rows, same bytes
-# (except a sequence's own blocks after a shared prefix, often few: see cascade_decode)
-DECODE_NUM_STAGES = 2  # software pipelining: the next step's loads fly during this one
+DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks), either cache dtype
+DECODE_NUM_STAGES = 3  # software pipelining: the next two steps' loads fly during this one
 DECODE_NUM_WARPS = 4  # more warps per program were slower
+DECODE_NUM_WARPS_FP8 = 2  # an fp8 cache's transposed products: more, smaller programs an SM
+FP8_GROUP_ROWS = 8  # and its GQA group padded to tl.dot's N of 8, not its M of 16
 SPLIT_PROGRAMS_PER_SM = 2  # split KV until the grid has this many programs per SM (~4 fit; 2 best)
 MAX_SPLITS = 16  # more splits were slower even at batch 1: each adds a partial to merge
 # Cascade prefix kernel (a shared prefix, see cascade_decode): one program multiplies CASCADE_ROWS
@@ -38,6 +38,7 @@ MAX_SPLITS = 16  # more splits were slower even at batch 1: each adds a partial 
 CASCADE_ROWS = 64  # tuned together with CASCADE_NUM_WARPS: 32 or 128 rows were slower
 CASCADE_NUM_WARPS = 4
 CASCADE_NUM_STAGES = 3  # tuned apart from the decode kernel: its own tiles, its own best depth
+CASCADE_TILE_TOKENS_FP8 = 128  # an fp8 prefix tile: twice bf16's rows, the same bytes
 CASCADE_PROGRAMS_PER_SM = 1  # prefix splits fill one wave of (KV head, row tile, split) programs
 MERGE_NUM_WARPS = 2  # a merge reads only a few partials per row: more warps were slower
 CASCADE_MIN_SEQS = 32  # the shared-prefix kernel from this decode batch size on (it costs at tiny)
@@ -75,6 +76,24 @@ def _split_block_range(context_len, first_block, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile_t(qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, block_id, offset, valid,
+                   head_base, offs_d, cache_stride_block, cache_stride_token, qk_scale, v_scale):
+    """decode._attend_tile (an fp8 cache) with both products transposed, scores^T = k q^T (TILE,
+    ROWS) and acc^T += v^T p^T (D, ROWS): tokens and the head dim are the products' M, so the GQA
+    group pads to 8 rows, not 16. qt, acc_t (D, ROWS); returns the new (m_i, l_i, acc_t)."""
+    rows = block_id.to(tl.int64) * cache_stride_block + offset * cache_stride_token + head_base
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    # dequantized to q's fp16; V times its scale widens it before p @ v, as in _attend_tile
+    k, v = k.to(qt.dtype), v.to(qt.dtype) * tl.cast(v_scale, qt.dtype)
+    s = tl.where(valid[:, None], tl.dot(k, qt) * qk_scale, float("-inf"))  # (TILE, ROWS) fp32
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    return m_new, l_i, acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))
+
+
+@triton.jit
 def _cascade_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                            num_common_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale,
                            first_slot, num_slots, q_stride_s, q_stride_h, cache_stride_block,
@@ -93,25 +112,35 @@ def _cascade_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     block_start, block_end = _split_block_range(context_len, first_block, BLOCK_SIZE)
     offs_g, offs_d, offs_t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
     heads = kv_head * GROUP + offs_g  # (GROUP_PAD,) query heads of this KV head: one K/V read
-    # Padded to >= 16 rows so both products run on tensor cores (tl.dot); the extra rows are zeros
-    # and the math is free in a memory-bound kernel, cheaper than a broadcast-multiply-sum, whose
-    # cross-thread reductions cost more than the wasted rows.
-    q = tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
-                mask=offs_g[:, None] < GROUP, other=0.0)  # (GROUP_PAD, D)
-    q = _dot_dtype(q, k_cache_ptr)
+    # Padded so both products run on tensor cores (tl.dot); the extra rows are zeros and the math
+    # is free in a memory-bound kernel, cheaper than a broadcast-multiply-sum, whose cross-thread
+    # reductions cost more than the wasted rows.
+    q = _dot_dtype(tl.load(q_ptr + seq * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
+                           mask=offs_g[:, None] < GROUP, other=0.0), k_cache_ptr)  # (GROUP_PAD, D)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
+    FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv  # the loop holds q^T, acc^T
+    if FP8:
+        q, acc = tl.trans(q), tl.trans(acc)
+    # Block ids are loaded a step ahead (a loop-carried value): a step's K/V addresses are known
+    # before it starts, so the pipeliner issues its loads while earlier steps compute.
+    table, ahead = block_tables_ptr + seq * block_tables_stride, block_start + offs_t // BLOCK_SIZE
+    block_id = tl.load(table + ahead, mask=ahead < block_end, other=0)  # (TILE,) the first step's
     for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
         seq_block = block + offs_t // BLOCK_SIZE  # (TILE,) the sequence's block index of each row
-        in_split = seq_block < block_end  # never read block-table entries past the sequence's end
-        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + seq_block, mask=in_split,
-                           other=0)  # (TILE,)
-        offset = offs_t % BLOCK_SIZE
-        valid = in_split & (seq_block * BLOCK_SIZE + offset < context_len)  # ragged last block
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset,
-                                     valid, kv_head * HEAD_DIM, offs_d, cache_stride_block,
-                                     cache_stride_token, qk_scale, v_scale)
+        ahead = seq_block + BLOCKS_PER_ITER  # never read block-table entries past the split's end
+        next_id = tl.load(table + ahead, mask=ahead < block_end, other=0)  # (TILE,)
+        valid = (seq_block < block_end) & (block * BLOCK_SIZE + offs_t < context_len)  # ragged end
+        args = (k_cache_ptr, v_cache_ptr, block_id, offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM,
+                offs_d, cache_stride_block, cache_stride_token, qk_scale, v_scale)
+        if FP8:
+            m_i, l_i, acc = _attend_tile_t(q, m_i, l_i, acc, *args)
+        else:
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, *args)
+        block_id = next_id
+    if FP8:
+        acc = tl.trans(acc)  # (GROUP_PAD, D)
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
         m_i, l_i, acc = _fold_partials(m_i, l_i, acc, q_rows, offs_g < GROUP, offs_d, first_slot,
@@ -175,9 +204,8 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     offs_d, offs_t = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE * BLOCKS_PER_ITER)  # (TILE,)
     row_mask = seq < num_seqs
     load_q = seq < tl.where(block_start < block_end, num_seqs, 0)  # an idle split: no q loads
-    q = tl.load(q_ptr + seq[:, None] * q_stride_s + heads[:, None] * q_stride_h + offs_d[None, :],
-                mask=load_q[:, None], other=0.0)  # (ROWS, D)
-    q = _dot_dtype(q, k_cache_ptr)
+    q = _dot_dtype(tl.load(q_ptr + seq[:, None] * q_stride_s + heads[:, None] * q_stride_h
+                           + offs_d[None, :], mask=load_q[:, None], other=0.0), k_cache_ptr)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
@@ -274,23 +302,24 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     part_out = part_lse.new_empty(S, H, num_slots, D) if num_slots else out  # fp32 (S, H, slots, D)
     qk_scale = scale * decode.LOG2E  # scores in log2 units: the kernels use exp2
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
-    # both kernels walk whole blocks, a tile's worth per loop step (an fp8 tile has twice the rows)
-    tile = DECODE_TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else DECODE_TILE_TOKENS
-    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B, BLOCKS_PER_ITER=max(1, tile // B))
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B)  # both kernels walk whole blocks
     if cascade:  # launched first: the per-sequence kernel folds its partials in
+        tile = CASCADE_TILE_TOKENS_FP8 if fp8 else DECODE_TILE_TOKENS
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
             qk_scale, decode.FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
-            NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch)
-        # A sequence's own blocks after a shared prefix are often few, and the last tile's empty
-        # rows cost an fp8 tile its conversions all the same: the own blocks go in bf16's tiles
-        launch["BLOCKS_PER_ITER"] = max(1, DECODE_TILE_TOKENS // B)
+            NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS,
+            BLOCKS_PER_ITER=max(1, tile // B), **launch)
     _cascade_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         qk_scale, decode.FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
-        GROUP_PAD=max(decode.MIN_GROUP_ROWS, triton.next_power_of_2(group)),  # a power of two
-        CASCADE=cascade, SINGLE_SPLIT=num_splits == 1, NUM_STAGES=DECODE_NUM_STAGES,
-        num_warps=DECODE_NUM_WARPS, **launch)
+        # an fp8 cache's products run transposed (see _attend_tile_t): a group of >= 8 rows
+        GROUP_PAD=max(FP8_GROUP_ROWS if fp8 else decode.MIN_GROUP_ROWS,
+                      triton.next_power_of_2(group)),
+        CASCADE=cascade, SINGLE_SPLIT=num_splits == 1,
+        NUM_STAGES=DECODE_NUM_STAGES, num_warps=DECODE_NUM_WARPS_FP8 if fp8 else DECODE_NUM_WARPS,
+        BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B), **launch)
     if num_splits > 1:
         _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,
                                      SPLITS_PAD=triton.next_power_of_2(num_slots),
