@@ -84,8 +84,7 @@ class BlockManager:
         seq.block_table = hits + [self._allocate_fresh() for _ in range(num_fresh)]
         # logits need at least one computed token: a fully cached prompt recomputes its last one
         seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
-        seq.num_computed_tokens = seq.num_cached_tokens
-        seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens, seq.num_hashed_blocks = seq.num_cached_tokens, len(hits)
         self.num_hits += len(hits)
         return True
 

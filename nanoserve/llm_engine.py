@@ -256,8 +256,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
 
     def _stream_output(self, seq: Sequence) -> RequestOutput | None:
         """What the last step added to a streamed request, or None (nothing, or not streamed)."""
-        text = self.streams.get(seq.seq_id)
-        if text is None or not text.streamed:
+        if (text := self.streams.get(seq.seq_id)) is None or not text.streamed:
             return None
         start, end = text.num_sent_tokens, seq.num_output_tokens  # the new tokens: [start, end)
         if start == end and not seq.is_finished:

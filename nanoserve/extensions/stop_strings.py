@@ -55,15 +55,13 @@ class StopStrings(StepObserver):
         stop string. Returns them."""
         stopped = []
         for seq in batch.seqs:
-            text = self.engine.streams.get(seq.seq_id)
-            if not isinstance(text, StopStringStream):
-                continue
-            text.update(seq.output_token_ids, seq.is_finished)
-            if text.stopped and not seq.is_finished:
-                stopped.append(seq)
-            if text.stopped:  # also when the step ended it otherwise (max_tokens, say)
-                seq.finish_reason = "stop"
-        self.engine.scheduler.abort(stopped, reason="stop")
+            if isinstance(text := self.engine.streams.get(seq.seq_id), StopStringStream):
+                text.update(seq.output_token_ids, seq.is_finished)
+                if text.stopped and not seq.is_finished:
+                    stopped.append(seq)
+                elif text.stopped:  # the step ended it otherwise (max_tokens, say): still a stop
+                    seq.finish_reason = "stop"
+        self.engine.scheduler.abort(stopped, reason="stop")  # finish_reason "stop" for each
         return stopped
 
 

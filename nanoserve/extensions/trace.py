@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 
-from tqdm.auto import tqdm
+from tqdm.contrib import DummyTqdmFile
 
 from nanoserve.extensions.stats import scheduler_stats
 from nanoserve.llm_engine import LLMEngine, StepObserver
@@ -19,22 +19,15 @@ from nanoserve.sequence import Sequence
 logger = logging.getLogger("nanoserve")
 
 
-class TqdmHandler(logging.Handler):
-    """Prints log records with tqdm.write, which clears a progress bar's line first and draws the
-    bar again below: a trace line never shares a line with the bar."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        tqdm.write(self.format(record), file=sys.stderr)
-
-
 def show_trace() -> None:
     """Let the trace through without the program configuring logging: the `nanoserve` logger
-    passes INFO unless the program set its level, and prints to stderr through a TqdmHandler
-    unless a handler of the program's (or pytest's) would already print it."""
+    passes INFO unless the program set its level, and prints to stderr unless a handler of the
+    program's (or pytest's) would already print it."""
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():  # on a terminal, above the bar; in a log file, line by line
-        handler = TqdmHandler() if sys.stderr.isatty() else logging.StreamHandler()
+    if not logger.hasHandlers():  # in a log file, line by line; on a terminal through tqdm.write,
+        # which clears a progress bar's line first and draws the bar again below it
+        handler = logging.StreamHandler(DummyTqdmFile(sys.stderr) if sys.stderr.isatty() else None)
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         logger.addHandler(handler)
 
