@@ -39,11 +39,13 @@ def cases() -> list[tuple[str, triton.JITFunction, str, dict, int]]:
         rows.append((f"paged_decode {cache[1:]}", decode._paged_decode_kernel, cache,
                      dict(SHAPES, TILE=tile, NUM_STAGES=decode.NUM_STAGES), 4))
     # the cascade kernel runs an fp8 cache's products transposed: the group pads to 8, 2 warps
-    for cache, group_pad, warps in (("*bf16", SHAPES["GROUP_PAD"], cascade.DECODE_NUM_WARPS),
-                                    ("*fp8e4nv", cascade.FP8_GROUP_ROWS,
-                                     cascade.DECODE_NUM_WARPS_FP8)):
+    for cache, group_pad, warps, step in (
+            ("*bf16", SHAPES["GROUP_PAD"], cascade.DECODE_NUM_WARPS, cascade._attend_tile),
+            ("*fp8e4nv", cascade.FP8_GROUP_ROWS, cascade.DECODE_NUM_WARPS_FP8,
+             cascade._attend_tile_t)):
         rows.append((f"cascade_decode {cache[1:]}", cascade._cascade_decode_kernel, cache,
                      dict(SHAPES, GROUP_PAD=group_pad, CASCADE=False, SINGLE_SPLIT=True,
+                          ATTEND_TILE=step,
                           BLOCKS_PER_ITER=cascade.DECODE_TILE_TOKENS // 16,
                           NUM_STAGES=cascade.DECODE_NUM_STAGES), warps))
     return rows

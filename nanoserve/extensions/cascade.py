@@ -38,7 +38,6 @@ MAX_SPLITS = 16  # more splits were slower even at batch 1: each adds a partial 
 CASCADE_ROWS = 64  # tuned together with CASCADE_NUM_WARPS: 32 or 128 rows were slower
 CASCADE_NUM_WARPS = 4
 CASCADE_NUM_STAGES = 3  # tuned apart from the decode kernel: its own tiles, its own best depth
-CASCADE_TILE_TOKENS_FP8 = 128  # an fp8 prefix tile: twice bf16's rows, the same bytes
 CASCADE_PROGRAMS_PER_SM = 1  # prefix splits fill one wave of (KV head, row tile, split) programs
 MERGE_NUM_WARPS = 2  # a merge reads only a few partials per row: more warps were slower
 CASCADE_MIN_SEQS = 32  # the shared-prefix kernel from this decode batch size on (it costs at tiny)
@@ -76,21 +75,21 @@ def _split_block_range(context_len, first_block, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile_t(qt, m_i, l_i, acc_t, k_cache_ptr, v_cache_ptr, block_id, offset, valid,
-                   head_base, offs_d, cache_stride_block, cache_stride_token, qk_scale, v_scale):
-    """decode._attend_tile (an fp8 cache) with both products transposed, scores^T = k q^T (TILE,
-    ROWS) and acc^T += v^T p^T (D, ROWS): tokens and the head dim are the products' M, so the GQA
-    group pads to 8 rows, not 16. qt, acc_t (D, ROWS); returns the new (m_i, l_i, acc_t)."""
+def _attend_tile_t(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, valid, head_base,
+                   offs_d, cache_stride_block, cache_stride_token, qk_scale, v_scale):
+    """decode._attend_tile for an fp8 cache, its products transposed: scores^T = k q^T (TILE,
+    ROWS) and acc^T += v^T p^T (D, ROWS). Tokens and the head dim are the products' M, so the GQA
+    group pads to 8 rows, not 16, and a program needs fewer warps."""
     rows = block_id.to(tl.int64) * cache_stride_block + offset * cache_stride_token + head_base
     k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     # dequantized to q's fp16; V times its scale widens it before p @ v, as in _attend_tile
-    k, v = k.to(qt.dtype), v.to(qt.dtype) * tl.cast(v_scale, qt.dtype)
-    s = tl.where(valid[:, None], tl.dot(k, qt) * qk_scale, float("-inf"))  # (TILE, ROWS) fp32
+    k, v = k.to(q.dtype), v.to(q.dtype) * tl.cast(v_scale, q.dtype)
+    s = tl.where(valid[:, None], tl.dot(k, tl.trans(q)) * qk_scale, float("-inf"))  # (TILE, ROWS)
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    return m_new, l_i, acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))
+    return m_new, l_i, acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), p.to(v.dtype)))
 
 
 @triton.jit
@@ -101,7 +100,7 @@ def _cascade_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
                            GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
                            NUM_STAGES: tl.constexpr, CASCADE: tl.constexpr,
-                           SINGLE_SPLIT: tl.constexpr):
+                           SINGLE_SPLIT: tl.constexpr, ATTEND_TILE: tl.constexpr):
     # KV heads vary fastest in the grid: the GPU starts programs in that order, so a batch sorted
     # longest context first (the scheduler's order) starts its longest work first; SMs end together
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -120,27 +119,18 @@ def _cascade_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of scores (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
-    FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv  # the loop holds q^T, acc^T
-    if FP8:
-        q, acc = tl.trans(q), tl.trans(acc)
     # Block ids are loaded a step ahead (a loop-carried value): a step's K/V addresses are known
     # before it starts, so the pipeliner issues its loads while earlier steps compute.
     table, ahead = block_tables_ptr + seq * block_tables_stride, block_start + offs_t // BLOCK_SIZE
     block_id = tl.load(table + ahead, mask=ahead < block_end, other=0)  # (TILE,) the first step's
     for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
         seq_block = block + offs_t // BLOCK_SIZE  # (TILE,) the sequence's block index of each row
-        ahead = seq_block + BLOCKS_PER_ITER  # never read block-table entries past the split's end
-        next_id = tl.load(table + ahead, mask=ahead < block_end, other=0)  # (TILE,)
         valid = (seq_block < block_end) & (block * BLOCK_SIZE + offs_t < context_len)  # ragged end
-        args = (k_cache_ptr, v_cache_ptr, block_id, offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM,
-                offs_d, cache_stride_block, cache_stride_token, qk_scale, v_scale)
-        if FP8:
-            m_i, l_i, acc = _attend_tile_t(q, m_i, l_i, acc, *args)
-        else:
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, *args)
-        block_id = next_id
-    if FP8:
-        acc = tl.trans(acc)  # (GROUP_PAD, D)
+        m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id,
+                                    offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
+                                    cache_stride_block, cache_stride_token, qk_scale, v_scale)
+        ahead = seq_block + BLOCKS_PER_ITER  # never read block-table entries past the split's end
+        block_id = tl.load(table + ahead, mask=ahead < block_end, other=0)  # (TILE,) the next's
     q_rows = seq * tl.num_programs(0) * GROUP + heads  # (GROUP_PAD,) rows of out (S * H, D)
     if SINGLE_SPLIT:  # the cascade prefix kernel ran first: fold its partials in, no merge launch
         m_i, l_i, acc = _fold_partials(m_i, l_i, acc, q_rows, offs_g < GROUP, offs_d, first_slot,
@@ -305,20 +295,19 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B)  # both kernels walk whole blocks
     if cascade:  # launched first: the per-sequence kernel folds its partials in
-        tile = CASCADE_TILE_TOKENS_FP8 if fp8 else DECODE_TILE_TOKENS
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
             q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, part_out, part_lse,
             qk_scale, decode.FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
-            NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS,
-            BLOCKS_PER_ITER=max(1, tile // B), **launch)
+            NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch,  # fp8: 2x rows
+            BLOCKS_PER_ITER=max(1, (decode.TILE_TOKENS_FP8 if fp8 else DECODE_TILE_TOKENS) // B))
+    # an fp8 cache's products run transposed (_attend_tile_t): its group pads to 8 rows, 2 warps
+    step, rows, warps = ((_attend_tile_t, FP8_GROUP_ROWS, DECODE_NUM_WARPS_FP8) if fp8
+                         else (_attend_tile, decode.MIN_GROUP_ROWS, DECODE_NUM_WARPS))
     _cascade_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         qk_scale, decode.FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
-        # an fp8 cache's products run transposed (see _attend_tile_t): a group of >= 8 rows
-        GROUP_PAD=max(FP8_GROUP_ROWS if fp8 else decode.MIN_GROUP_ROWS,
-                      triton.next_power_of_2(group)),
-        CASCADE=cascade, SINGLE_SPLIT=num_splits == 1,
-        NUM_STAGES=DECODE_NUM_STAGES, num_warps=DECODE_NUM_WARPS_FP8 if fp8 else DECODE_NUM_WARPS,
+        GROUP_PAD=max(rows, triton.next_power_of_2(group)), ATTEND_TILE=step, CASCADE=cascade,
+        SINGLE_SPLIT=num_splits == 1, NUM_STAGES=DECODE_NUM_STAGES, num_warps=warps,
         BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B), **launch)
     if num_splits > 1:
         _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,
