@@ -20,8 +20,6 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve import layers
-from nanoserve.kernels import rms_norm_ref, sampling
-from nanoserve.kernels.prefill import gather_kv
 
 
 def gpu_compiled(fn: Callable) -> Callable:
@@ -51,13 +49,11 @@ def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
 
 @functools.cache  # one compile per process: each new wrapper would compile again, and dynamo
 def ops() -> layers.Ops:  # falls back to eager once a function has been compiled too often
-    """The fused elementwise steps, for layers.OPS."""
-    return layers.Ops(rms_norm=gpu_compiled(rms_norm_ref),
-                      add_rms_norm=gpu_compiled(layers.add_rms_norm),
-                      silu_and_mul=gpu_compiled(layers.silu_and_mul),
-                      norm_rotary_store=fused_norm_rotary_store,
-                      gather_kv=gpu_compiled(gather_kv),  # gather + dequantize: one pass
-                      sample=gpu_compiled(sampling.sample))
+    """The fused elementwise steps, for layers.OPS: every plain step of layers.Ops compiled
+    (prefill's gather + dequantize in one pass, say), but norm + rotary + store, one Triton
+    kernel."""
+    compiled = {name: gpu_compiled(step) for name, step in vars(layers.Ops()).items()}
+    return layers.Ops(**(compiled | {"norm_rotary_store": fused_norm_rotary_store}))
 
 
 @triton.jit

@@ -19,19 +19,6 @@ from nanoserve.sequence import Sequence
 logger = logging.getLogger("nanoserve")
 
 
-def show_trace() -> None:
-    """Let the trace through without the program configuring logging: the `nanoserve` logger
-    passes INFO unless the program set its level, and prints to stderr unless a handler of the
-    program's (or pytest's) would already print it."""
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():  # in a log file, line by line; on a terminal through tqdm.write,
-        # which clears a progress bar's line first and draws the bar again below it
-        handler = logging.StreamHandler(DummyTqdmFile(sys.stderr) if sys.stderr.isatty() else None)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-        logger.addHandler(handler)
-
-
 class Trace(StepObserver):
     def __init__(self, engine: LLMEngine) -> None:
         self.scheduler, self.engine = engine.scheduler, engine
@@ -52,6 +39,16 @@ class Trace(StepObserver):
 
 
 def attach(engine: LLMEngine) -> Trace:
-    show_trace()  # after start-up, whose INFO lines it skips
+    """Add the trace, and let it through without the program configuring logging (attached after
+    start-up, it skips start-up's INFO lines): the `nanoserve` logger passes INFO unless the
+    program set its level, and prints to stderr unless a handler of the program's (or pytest's)
+    would already print it."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():  # in a log file, line by line; on a terminal through tqdm.write,
+        # which clears a progress bar's line first and draws the bar again below it
+        handler = logging.StreamHandler(DummyTqdmFile(sys.stderr) if sys.stderr.isatty() else None)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
     engine.observers.append(trace := Trace(engine))
     return trace
