@@ -126,6 +126,7 @@ def _cascade_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
         seq_block = block + offs_t // BLOCK_SIZE  # (TILE,) the sequence's block index of each row
         valid = (seq_block < block_end) & (block * BLOCK_SIZE + offs_t < context_len)  # ragged end
+        # the tile step: decode._attend_tile, or _attend_tile_t with an fp8 cache (cascade_decode)
         m_i, l_i, acc = ATTEND_TILE(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id,
                                     offs_t % BLOCK_SIZE, valid, kv_head * HEAD_DIM, offs_d,
                                     cache_stride_block, cache_stride_token, qk_scale, v_scale)
@@ -301,12 +302,12 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
             NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch,  # fp8: 2x rows
             BLOCKS_PER_ITER=max(1, (decode.TILE_TOKENS_FP8 if fp8 else DECODE_TILE_TOKENS) // B))
     # an fp8 cache's products run transposed (_attend_tile_t): its group pads to 8 rows, 2 warps
-    step, rows, warps = ((_attend_tile_t, FP8_GROUP_ROWS, DECODE_NUM_WARPS_FP8) if fp8
-                         else (_attend_tile, decode.MIN_GROUP_ROWS, DECODE_NUM_WARPS))
+    step, min_rows, warps = ((_attend_tile_t, FP8_GROUP_ROWS, DECODE_NUM_WARPS_FP8) if fp8
+                             else (_attend_tile, decode.MIN_GROUP_ROWS, DECODE_NUM_WARPS))
     _cascade_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         qk_scale, decode.FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
-        GROUP_PAD=max(rows, triton.next_power_of_2(group)), ATTEND_TILE=step, CASCADE=cascade,
+        GROUP_PAD=max(min_rows, triton.next_power_of_2(group)), ATTEND_TILE=step, CASCADE=cascade,
         SINGLE_SPLIT=num_splits == 1, NUM_STAGES=DECODE_NUM_STAGES, num_warps=warps,
         BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B), **launch)
     if num_splits > 1:
