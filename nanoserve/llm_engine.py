@@ -215,7 +215,8 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
 
     def stream_step(self) -> list[RequestOutput]:
         """Run one step; return what it added to each streamed request (new tokens, new text)."""
-        return [out for seq in self.step()[1].seqs if (out := self._stream_output(seq)) is not None]
+        _, batch = self.step()  # every streamed request of the batch, finished or not
+        return [out for seq in batch.seqs if (out := self._stream_output(seq)) is not None]
 
     def stream(self, prompt: str | list[int],
                params: SamplingParams | None = None) -> Iterator[RequestOutput]:

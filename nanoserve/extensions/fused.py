@@ -52,8 +52,9 @@ def ops() -> layers.Ops:  # falls back to eager once a function has been compile
     """The fused elementwise steps, for layers.OPS: every plain step of layers.Ops compiled
     (prefill's gather + dequantize in one pass, say), but norm + rotary + store, one Triton
     kernel."""
-    compiled = {name: gpu_compiled(step) for name, step in vars(layers.Ops()).items()}
-    return layers.Ops(**(compiled | {"norm_rotary_store": fused_norm_rotary_store}))
+    compiled = {name: gpu_compiled(step) for name, step in vars(layers.Ops()).items()
+                if name != "norm_rotary_store"}
+    return layers.Ops(**compiled, norm_rotary_store=fused_norm_rotary_store)
 
 
 @triton.jit
