@@ -350,20 +350,25 @@ def test_paged_decode_fp8_interpreted(torch_fp8_casts: None, group: int, Hkv: in
 @interpreted
 @pytest.mark.parametrize("group, Hkv, D, B", [(2, 2, 128, 16), (3, 3, 64, 32)])
 @pytest.mark.parametrize("num_splits", [1, None])
-@pytest.mark.parametrize("cascade", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("busy", [False, True])
 def test_cascade_decode_fp8_interpreted(torch_fp8_casts: None, group: int, Hkv: int, D: int,
-                                        B: int, num_splits: int | None, cascade: bool) -> None:
+                                        B: int, num_splits: int | None, prefix: bool,
+                                        busy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp8 cache (unused slots NaN, which e4m3 has), bf16 queries as the engine passes them: the
     kernels dequantize in registers and must match the reference, which reads the same e4m3
-    values in fp32. Plain, and cascade with a 2-block shared prefix."""
+    values in fp32. Plain, and cascade with a 2-block shared prefix; busy: the launch of a busy
+    grid (FP8_BUSY_LAUNCH's shorter tiles)."""
+    if busy:
+        monkeypatch.setattr(cascade, "FP8_BUSY_PROGRAMS_PER_SM", 0)
     own_lens = [1, B, 2 * B + 5, 0]  # ragged, one block, several, a padded row
-    if cascade:
+    if prefix:
         kv = make_cascade_kv(2, own_lens, B, Hkv, D, FP8)
         kv[3][-1] = 0  # a padded row holds no prefix either
     else:
         kv = make_paged_kv(own_lens, B, Hkv, D, FP8)
     q = torch.randn(len(own_lens), group * Hkv, D).bfloat16()  # (S, H, D)
-    P = torch.tensor([2], dtype=torch.int32) if cascade else None
+    P = torch.tensor([2], dtype=torch.int32) if prefix else None
     out = cascade_decode(q, *kv, D**-0.5, num_common_blocks=P, num_splits=num_splits)
     assert out.dtype == torch.bfloat16
     ref = paged_decode_ref(q, *kv, D**-0.5)
@@ -680,10 +685,13 @@ def test_cascade_decode_fp16_gpu(group: int, Hkv: int, D: int, B: int,
 @pytest.mark.parametrize("group, Hkv, D, B, num_splits", [(2, 8, 128, 16, None), (2, 8, 128, 16, 1),
                                                           (3, 3, 64, 64, 5), (8, 2, 128, 32, None),
                                                           (1, 4, 64, 16, 1)])
+@pytest.mark.parametrize("busy", [False, True])  # busy: FP8_BUSY_LAUNCH, as for big batches
 @gpu
 @requires_cuda
-def test_cascade_decode_fp8_gpu(group: int, Hkv: int, D: int, B: int,
-                                num_splits: int | None) -> None:
+def test_cascade_decode_fp8_gpu(group: int, Hkv: int, D: int, B: int, num_splits: int | None,
+                                busy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if busy:
+        monkeypatch.setattr(cascade, "FP8_BUSY_PROGRAMS_PER_SM", 0)
     check_paged_decode_gpu(group, Hkv, D, B, num_splits, torch.bfloat16, FP8)
 
 

@@ -38,15 +38,17 @@ def cases() -> list[tuple[str, triton.JITFunction, str, dict, int]]:
     for cache, tile in (("*bf16", decode.TILE_TOKENS), ("*fp8e4nv", decode.TILE_TOKENS_FP8)):
         rows.append((f"paged_decode {cache[1:]}", decode._paged_decode_kernel, cache,
                      dict(SHAPES, TILE=tile, NUM_STAGES=decode.NUM_STAGES), 4))
-    # the cascade kernel runs an fp8 cache's products transposed: the group pads to 8, 2 warps
-    for cache, group_pad, warps, step in (
-            ("*bf16", SHAPES["GROUP_PAD"], cascade.DECODE_NUM_WARPS, cascade._attend_tile),
-            ("*fp8e4nv", cascade.FP8_GROUP_ROWS, cascade.DECODE_NUM_WARPS_FP8,
+    # the cascade kernel runs an fp8 cache's products transposed: the group pads to 8, and its
+    # launch (tile tokens, warps) is FP8_LAUNCH, or FP8_BUSY_LAUNCH on a busy grid
+    for name, cache, group_pad, (tile, warps), step in (
+            ("", "*bf16", SHAPES["GROUP_PAD"],
+             (cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_WARPS), cascade._attend_tile),
+            ("", "*fp8e4nv", cascade.FP8_GROUP_ROWS, cascade.FP8_LAUNCH, cascade._attend_tile_t),
+            (" busy", "*fp8e4nv", cascade.FP8_GROUP_ROWS, cascade.FP8_BUSY_LAUNCH,
              cascade._attend_tile_t)):
-        rows.append((f"cascade_decode {cache[1:]}", cascade._cascade_decode_kernel, cache,
+        rows.append((f"cascade_decode {cache[1:]}{name}", cascade._cascade_decode_kernel, cache,
                      dict(SHAPES, GROUP_PAD=group_pad, CASCADE=False, SINGLE_SPLIT=True,
-                          ATTEND_TILE=step,
-                          BLOCKS_PER_ITER=cascade.DECODE_TILE_TOKENS // 16,
+                          ATTEND_TILE=step, BLOCKS_PER_ITER=tile // 16,
                           NUM_STAGES=cascade.DECODE_NUM_STAGES), warps))
     return rows
 

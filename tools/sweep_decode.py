@@ -5,9 +5,9 @@ For each case (batch S, contexts drawn uniformly from lo-hi tokens, the batch un
 longest first, as the scheduler orders it), and each (tile tokens, pipeline stages, warps) setting,
 it times 20 calls captured in one CUDA graph and reports microseconds per call and the fraction of
 HBM bandwidth (the K/V bytes the call must read over its time). Qwen3-0.6B heads: 16 q / 8 KV, head
-dim 128, bf16 queries, block 16; the cache in bf16, or fp8 (--kv-cache-dtype fp8, whose warps are
-DECODE_NUM_WARPS_FP8). The sorted and unsorted cases draw their own context lengths from the same
-range, so compare their bandwidth fractions, not their microseconds.
+dim 128, bf16 queries, block 16; the cache in bf16, or fp8 (--kv-cache-dtype fp8: each setting
+is both FP8_LAUNCH and FP8_BUSY_LAUNCH). The sorted and unsorted cases draw their own context
+lengths from the same range, so compare their bandwidth fractions, not their microseconds.
 
     python tools/sweep_decode.py [--kv-cache-dtype bf16,fp8] [--sorted]
     # writes $OUT/sweep.json (or ./sweep.json); --sorted: only the scheduler's order
@@ -30,9 +30,11 @@ NANOSERVE = (cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES, cascade.DECO
 CONFIGS = [NANOSERVE] + [c for c in [(64, 3, 4), (64, 2, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4),
                                      (32, 2, 4), (128, 2, 4), (128, 2, 8), (64, 3, 8), (32, 3, 2)]
                          if c != NANOSERVE]  # (tile tokens, stages, warps); nanoserve's first
-NANOSERVE_FP8 = (cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES,
-                 cascade.DECODE_NUM_WARPS_FP8)
-CONFIGS_FP8 = [NANOSERVE_FP8] + [c for c in [(64, 3, 4), (64, 2, 2), (32, 3, 2), (128, 3, 4)]
+NANOSERVE_FP8 = (cascade.FP8_LAUNCH[0], cascade.DECODE_NUM_STAGES, cascade.FP8_LAUNCH[1])
+NANOSERVE_FP8_BUSY = (cascade.FP8_BUSY_LAUNCH[0], cascade.DECODE_NUM_STAGES,
+                      cascade.FP8_BUSY_LAUNCH[1])
+CONFIGS_FP8 = [NANOSERVE_FP8] + [c for c in [NANOSERVE_FP8_BUSY, (64, 3, 4), (64, 2, 2),
+                                             (32, 3, 2), (128, 3, 4)]
                                  if c != NANOSERVE_FP8]  # 8 warps or 256 rows were far slower
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
@@ -70,6 +72,15 @@ def graph_time(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (2 * reps)
 
 
+def set_launch(cache: str, tile: int, stages: int, warps: int) -> None:
+    """cascade_decode reads its launch settings from these constants at each call."""
+    cascade.DECODE_NUM_STAGES = stages
+    if cache == "fp8":  # both fp8 launches: the setting holds for any grid
+        cascade.FP8_LAUNCH = cascade.FP8_BUSY_LAUNCH = (tile, warps)
+    else:
+        cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_WARPS = tile, warps
+
+
 def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
     """Every case and launch setting with a cache of dtype cache ("bf16" or "fp8")."""
     torch.manual_seed(0)
@@ -77,17 +88,15 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
     # (num_blocks, B, Hkv, D), ~2 GB each in bf16: far past L2
     k = torch.randn(num_blocks, B, Hkv, D, device="cuda").to(CACHE_DTYPES[cache])
     v = torch.randn_like(k, dtype=torch.float32).to(CACHE_DTYPES[cache])
-    configs, warps_name = ((CONFIGS_FP8, "DECODE_NUM_WARPS_FP8") if cache == "fp8"
-                           else (CONFIGS, "DECODE_NUM_WARPS"))
+    configs = CONFIGS_FP8 if cache == "fp8" else CONFIGS
+    kept = (cascade.FP8_LAUNCH, cascade.FP8_BUSY_LAUNCH, cascade.DECODE_NUM_STAGES)
     for S, lo, hi in CASES:
         for sort in sorts:
             q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks, k.element_size())
             default = cascade.default_num_splits(S, Hkv, tables.shape[1], q.device)
             for splits in sorted({default, 1, 2}):
                 for tile, stages, warps in configs if splits == default else configs[:1]:
-                    # cascade_decode reads its launch settings from these constants at each call
-                    cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES = tile, stages
-                    setattr(cascade, warps_name, warps)
+                    set_launch(cache, tile, stages, warps)
                     t = graph_time(functools.partial(cascade.cascade_decode, q, k, v, tables,
                                                      lens, D ** -0.5, num_splits=splits))
                     row = dict(cache=cache, S=S, lens=f"{lo}-{hi}", sort=sort, splits=splits,
@@ -95,8 +104,8 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
                                bw=round(nbytes / t / BANDWIDTH, 3))
                     print(row, flush=True)
                     results.append(row)
-    cascade.DECODE_TILE_TOKENS, cascade.DECODE_NUM_STAGES = configs[0][:2]
-    setattr(cascade, warps_name, configs[0][2])
+    set_launch(cache, *configs[0])
+    cascade.FP8_LAUNCH, cascade.FP8_BUSY_LAUNCH, cascade.DECODE_NUM_STAGES = kept
 
 
 def main() -> None:

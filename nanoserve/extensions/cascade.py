@@ -25,10 +25,13 @@ from nanoserve.layers import ForwardContext
 from nanoserve.models import DecoderModel
 
 # Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
-DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks), either cache dtype
+DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks)
 DECODE_NUM_STAGES = 3  # software pipelining: the next two steps' loads fly during this one
 DECODE_NUM_WARPS = 4  # more warps per program were slower
-DECODE_NUM_WARPS_FP8 = 2  # an fp8 cache's transposed products: more, smaller programs an SM
+# An fp8 cache's transposed products need fewer warps: (tile tokens, warps), so smaller programs,
+# 4 an SM. A grid of at least FP8_BUSY_PROGRAMS_PER_SM programs an SM (a big batch) halves them
+# again, 8 an SM, which hide each other's latency; a smaller grid finishes sooner on longer tiles.
+FP8_LAUNCH, FP8_BUSY_LAUNCH, FP8_BUSY_PROGRAMS_PER_SM = (64, 2), (32, 1), 8
 FP8_GROUP_ROWS = 8  # and its GQA group padded to tl.dot's N of 8, not its M of 16
 SPLIT_PROGRAMS_PER_SM = 2  # split KV until the grid has this many programs per SM (~4 fit; 2 best)
 MAX_SPLITS = 16  # more splits were slower even at batch 1: each adds a partial to merge
@@ -277,8 +280,7 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
     group, cascade = H // Hkv, num_common_blocks is not None
     assert not cascade or (num_common_blocks.shape, num_common_blocks.dtype) == ((1,), torch.int32)
-    if num_splits is None:
-        num_splits = default_num_splits(S, Hkv, max_blocks, q.device)
+    num_splits = num_splits or default_num_splits(S, Hkv, max_blocks, q.device)
     assert num_splits >= 1
     row_tiles = triton.cdiv(S * group, CASCADE_ROWS)  # (sequence, query head) rows per KV head
     # the shared prefix's splits (prefix=True): none without one
@@ -301,15 +303,17 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
             qk_scale, decode.FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
             NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch,  # fp8: 2x rows
             BLOCKS_PER_ITER=max(1, (decode.TILE_TOKENS_FP8 if fp8 else DECODE_TILE_TOKENS) // B))
-    # an fp8 cache's products run transposed (_attend_tile_t): its group pads to 8 rows, 2 warps
-    step, min_rows, warps = ((_attend_tile_t, FP8_GROUP_ROWS, DECODE_NUM_WARPS_FP8) if fp8
-                             else (_attend_tile, decode.MIN_GROUP_ROWS, DECODE_NUM_WARPS))
+    # an fp8 cache's products run transposed (_attend_tile_t), its group padded to 8 rows
+    busy = S * Hkv >= FP8_BUSY_PROGRAMS_PER_SM * sm_count(q.device)
+    step, min_rows, (tile, warps) = (
+        (_attend_tile_t, FP8_GROUP_ROWS, FP8_BUSY_LAUNCH if busy else FP8_LAUNCH) if fp8
+        else (_attend_tile, decode.MIN_GROUP_ROWS, (DECODE_TILE_TOKENS, DECODE_NUM_WARPS)))
     _cascade_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         qk_scale, decode.FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
         GROUP_PAD=max(min_rows, triton.next_power_of_2(group)), ATTEND_TILE=step, CASCADE=cascade,
         SINGLE_SPLIT=num_splits == 1, NUM_STAGES=DECODE_NUM_STAGES, num_warps=warps,
-        BLOCKS_PER_ITER=max(1, DECODE_TILE_TOKENS // B), **launch)
+        BLOCKS_PER_ITER=max(1, tile // B), **launch)
     if num_splits > 1:
         _merge_splits_kernel[(S, H)](part_out, part_lse, out, num_slots, HEAD_DIM=D,
                                      SPLITS_PAD=triton.next_power_of_2(num_slots),
@@ -331,8 +335,7 @@ class Cascade:
     blocks a decode batch shares (the model runner's prepare)."""
 
     def __init__(self, model: DecoderModel, config: Config) -> None:
-        self.block_size = config.kvcache_block_size
-        self.prefix_caching = config.enable_prefix_caching
+        self.config = config  # its block size, and whether prefix caching is on
         for attn in model.attention_layers():
             attn.decode_backend = self.decode
 
@@ -344,13 +347,13 @@ class Cascade:
 
     def use_prefix(self, num_seqs: int) -> bool:
         """The shared-prefix kernel for a batch of num_seqs? Only prefix-cache hits share blocks."""
-        return self.prefix_caching and num_seqs >= CASCADE_MIN_SEQS
+        return self.config.enable_prefix_caching and num_seqs >= CASCADE_MIN_SEQS
 
     def num_common_blocks(self, block_tables: np.ndarray,
                           context_lens: np.ndarray) -> np.ndarray | None:
         """(1,) int32: the blocks every sequence of a decode batch shares; None: not looked for."""
         if not self.use_prefix(len(context_lens)):
             return None
-        return np.array([common_prefix_blocks(block_tables, context_lens, self.block_size)],
-                        np.int32)
+        return np.array([common_prefix_blocks(block_tables, context_lens,
+                                              self.config.kvcache_block_size)], np.int32)
 
