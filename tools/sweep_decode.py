@@ -72,6 +72,10 @@ def graph_time(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (2 * reps)
 
 
+LAUNCH_SETTINGS = ("DECODE_TILE_TOKENS", "DECODE_NUM_STAGES", "DECODE_NUM_WARPS", "FP8_LAUNCH",
+                   "FP8_BUSY_LAUNCH")  # what set_launch changes
+
+
 def set_launch(cache: str, tile: int, stages: int, warps: int) -> None:
     """cascade_decode reads its launch settings from these constants at each call."""
     cascade.DECODE_NUM_STAGES = stages
@@ -89,7 +93,7 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
     k = torch.randn(num_blocks, B, Hkv, D, device="cuda").to(CACHE_DTYPES[cache])
     v = torch.randn_like(k, dtype=torch.float32).to(CACHE_DTYPES[cache])
     configs = CONFIGS_FP8 if cache == "fp8" else CONFIGS
-    kept = (cascade.FP8_LAUNCH, cascade.FP8_BUSY_LAUNCH, cascade.DECODE_NUM_STAGES)
+    kept = {name: getattr(cascade, name) for name in LAUNCH_SETTINGS}  # restored after the sweep
     for S, lo, hi in CASES:
         for sort in sorts:
             q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks, k.element_size())
@@ -104,8 +108,8 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
                                bw=round(nbytes / t / BANDWIDTH, 3))
                     print(row, flush=True)
                     results.append(row)
-    set_launch(cache, *configs[0])
-    cascade.FP8_LAUNCH, cascade.FP8_BUSY_LAUNCH, cascade.DECODE_NUM_STAGES = kept
+    for name, value in kept.items():
+        setattr(cascade, name, value)
 
 
 def main() -> None:

@@ -280,8 +280,8 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
     group, cascade = H // Hkv, num_common_blocks is not None
     assert not cascade or (num_common_blocks.shape, num_common_blocks.dtype) == ((1,), torch.int32)
+    assert num_splits is None or num_splits >= 1
     num_splits = num_splits or default_num_splits(S, Hkv, max_blocks, q.device)
-    assert num_splits >= 1
     row_tiles = triton.cdiv(S * group, CASCADE_ROWS)  # (sequence, query head) rows per KV head
     # the shared prefix's splits (prefix=True): none without one
     prefix_splits = default_num_splits(row_tiles, Hkv, max_blocks, q.device, True) if cascade else 0
