@@ -146,3 +146,35 @@ def test_kernel_report_reads_the_fp8_decode_loop(capsys: pytest.CaptureFixture) 
     out = capsys.readouterr().out
     assert "cp.async tiles ['128x128']" in out and "programs an SM" in out
     assert "F2FP" in out and "HMMA" in out
+
+
+def test_e4m3_terms_round_per_row_and_a_second_term_shrinks_the_error() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 32) * torch.logspace(-3, 2, 6)[:, None]  # rows of very different sizes
+    one, two = (fp8_accuracy.e4m3_terms(x, n, True) for n in (1, 2))
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    torch.testing.assert_close(one, (x / scale).to(torch.float8_e4m3fn).float() * scale)
+    assert torch.equal(fp8_accuracy.e4m3_terms(x, 0, True), x)
+    assert (two - x).norm() < (one - x).norm() / 8  # hi + lo: about 4 more significant bits
+    p = torch.rand(4, 16)  # softmax weights in [0, 1]: rounded as they are (scale 1)
+    torch.testing.assert_close(fp8_accuracy.e4m3_terms(p, 1, False),
+                               p.to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_fa3_products_match_sdpa_unrounded_and_restore_it(gqa: bool) -> None:
+    torch.manual_seed(0)
+    F = torch.nn.functional
+    sdpa = F.scaled_dot_product_attention
+    kv_heads = 2 if gqa else 4
+    q, k, v = torch.randn(4, 3, 16), torch.randn(kv_heads, 5, 16), torch.randn(kv_heads, 5, 16)
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2)  # bottom-right causal
+    want = sdpa(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=gqa)
+    with fp8_accuracy.fa3_products(0, 0):  # no rounding: the emulation's float32 is SDPA's
+        torch.testing.assert_close(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.25, enable_gqa=gqa), want)
+    with fp8_accuracy.fa3_products(1, 1):
+        rounded = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25,
+                                                 enable_gqa=gqa)
+    assert F.scaled_dot_product_attention is sdpa  # restored
+    assert 1e-3 < (rounded - want).abs().max() < 0.2  # FA3's e4m3 q and p move the output

@@ -26,13 +26,19 @@ relative amount below JITTER before its e4m3 rounding, a function of the value a
 no larger than the difference between nanoserve's and transformers' own float32 K and V (a median
 of 5e-7 to 1e-6 relative, measured first), which tip some roundings the other way. Printed: the
 count of each run.
+--fa3 Q P (CPU): FlashAttention-3's fp8 products, emulated: the fp8 run's attention (both CPU
+reference paths call torch SDPA) also rounds each query row to Q e4m3 terms (scaled by its amax /
+448) and the softmax weights exp(s - max) to P terms, before the two products; the denominator
+sums the unrounded weights. Q = P = 1 is FA3's recipe; 2 splits a value into hi + lo terms, two
+products each; 0 leaves it (0 0: the emulation's own float32 against SDPA).
 --teacher-forced: also ask every position of the "auto" run's outputs as a one-token request (its
 prompt plus the tokens before it) of both caches, and count how often their top tokens agree and
 the mean |delta logprob| of the "auto" run's token there. Sequences that part no longer decide what
 is compared, and prefix-cache hits make every key come back from the cache, as in decode.
 
-    python tools/fp8_accuracy.py [--gpu | --round k|v | --transformers] [--questions e2e|more]
-                                 [--teacher-forced] [--jitter N] [--json out.json]
+    python tools/fp8_accuracy.py [--gpu | --round k|v | --transformers | --fa3 Q P]
+                                 [--questions e2e|more] [--teacher-forced] [--jitter N]
+                                 [--json out.json]
 """
 import argparse
 import contextlib
@@ -169,6 +175,39 @@ def rounded_store(part: str):
         rotary.store_kv = kernels.store_kv = store
 
 
+def e4m3_terms(x: Tensor, terms: int, per_row: bool) -> Tensor:
+    """x (fp32) as the sum of `terms` e4m3 values (what is left after each term is the next's),
+    each scaled by its rows' amax / 448 (per_row) or by 1."""
+    out, rest = torch.zeros_like(x), x
+    for _ in range(terms):
+        scale = rest.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX if per_row else 1.0
+        term = (rest / scale).to(FP8).float() * scale
+        out, rest = out + term, rest - term
+    return out if terms else x
+
+
+@contextlib.contextmanager
+def fa3_products(terms_q: int, terms_p: int):
+    """Within it, torch SDPA (the CPU decode and prefill reference paths) runs FA3's fp8 products:
+    q rounded to terms_q e4m3 terms per row, the softmax weights p = exp(s - max) to terms_p terms
+    before p @ v, the denominator summed from the unrounded p. attn_mask is a boolean mask."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def products(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, scale: float,
+                 enable_gqa: bool = False) -> Tensor:
+        group = q.shape[-3] // k.shape[-3]  # (..., H, L, D): GQA repeats each KV head
+        k, v = (x.float().repeat_interleave(group, -3) for x in (k, v))
+        s = e4m3_terms(q.float(), terms_q, True) @ k.transpose(-1, -2) * scale  # (..., H, Lq, Lk)
+        s = s.masked_fill(~attn_mask, float("-inf"))
+        p = torch.exp(s - s.amax(-1, keepdim=True))  # in [0, 1], as FA3 rounds it
+        return (e4m3_terms(p, terms_p, False) @ v / p.sum(-1, keepdim=True)).to(q.dtype)
+    torch.nn.functional.scaled_dot_product_attention = products
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
 def jitter(x: Tensor, run: int) -> Tensor:
     """x with each value moved by u * JITTER relative, u in [-1, 1) a hash of the value's float32
     bits and the run: the same value moves the same way in the store and in the prefill's round
@@ -266,14 +305,17 @@ def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
 
 
 def measure(model_dir: str, prompts: list, params: SamplingParams, part: str = "kv",
-            forced: bool = False, **engine) -> dict:
+            forced: bool = False, fa3: tuple | None = None, **engine) -> dict:
     """Greedy runs with the cache in the model's dtype ("auto") and in fp8 (part "kv"), or with
-    only K or V rounded (part "k" or "v", CPU), compared; forced: teacher-forced too."""
+    only K or V rounded (part "k" or "v", CPU), compared; forced: teacher-forced too; fa3 (terms
+    of q, of p): the fp8 run's attention runs FA3's fp8 products (CPU)."""
     runs, forced_runs = {}, {}
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=TOP_K)
     for kv in ("auto", "fp8"):
         store = rounded_store(part) if kv == "fp8" and part != "kv" else contextlib.nullcontext()
-        with store, LLM(model_dir, kv_cache_dtype="auto" if part != "kv" else kv, **engine) as llm:
+        products = fa3_products(*fa3) if kv == "fp8" and fa3 else contextlib.nullcontext()
+        cache = "auto" if part != "kv" else kv
+        with store, products, LLM(model_dir, kv_cache_dtype=cache, **engine) as llm:
             if kv == "auto":
                 llm.model_runner.kv_cache.zero_()  # then the written slots are the non-zero ones
             runs[kv] = generate(llm, prompts, params)
@@ -293,15 +335,17 @@ def chat_prompts(model_dir: str, questions: list[str]) -> list[list[int]]:
                                     tokenize=True, return_dict=False) for q in questions]
 
 
-def cpu_results(part: str, asked: list[str], forced: bool = False) -> dict:
+def cpu_results(part: str, asked: list[str], forced: bool = False,
+                fa3: tuple | None = None) -> dict:
     from test_e2e import MAX_TOKENS
 
     from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
     rounded = {"kv": "", "k": ", K rounded only", "v": ", V rounded only"}[part]
+    rounded += f", FA3 products: q {fa3[0]} and p {fa3[1]} e4m3 terms" if fa3 else ""
     name = f"SmolLM2-135M-Instruct (float32, CPU{rounded}, {len(asked)} questions)"
-    return {name: measure(model_dir, chat_prompts(model_dir, asked), params, part, forced)}
+    return {name: measure(model_dir, chat_prompts(model_dir, asked), params, part, forced, fa3)}
 
 
 def probe_model(model_dir: str, attention: str):
@@ -418,12 +462,18 @@ def main() -> None:
     p.add_argument("--jitter", type=int, default=0, metavar="N",
                    help="CPU: N more runs with K and V moved by float32-level amounts before "
                         "their rounding, to see which counts near-ties decide")
+    p.add_argument("--fa3", type=int, nargs=2, choices=range(3), metavar=("Q", "P"),
+                   help="CPU: the fp8 run's attention rounds q and the softmax weights to Q and "
+                        "P e4m3 terms (FlashAttention-3's fp8 products: 1 1)")
     p.add_argument("--json", help="write the figures (per layer too) to this file")
     args = p.parse_args()
     if args.gpu and (args.round != "kv" or args.questions != "e2e" or args.transformers
-                     or args.jitter):
-        p.error("--round, --questions, --transformers and --jitter choose what the CPU run "
-                "does: leave out --gpu")
+                     or args.jitter or args.fa3):
+        p.error("--round, --questions, --transformers, --jitter and --fa3 choose what the CPU "
+                "run does: leave out --gpu")
+    if args.fa3 and (args.round != "kv" or args.transformers or args.jitter):
+        p.error("--fa3 changes the fp8 cache's attention: leave out --round, --transformers "
+                "and --jitter")
     if args.jitter and args.round != "kv":
         p.error("--jitter moves the values an fp8 cache rounds: leave out --round")
     from test_e2e import QUESTIONS
@@ -433,7 +483,7 @@ def main() -> None:
     elif args.transformers:
         results = transformers_results(asked)
     else:
-        results = cpu_results(args.round, asked, forced)
+        results = cpu_results(args.round, asked, forced, args.fa3 and tuple(args.fa3))
     for name, r in results.items():
         report(name, r)
     if args.jitter:
