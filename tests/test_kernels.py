@@ -469,15 +469,17 @@ DECODE_TILES = dict(BLOCK_SIZE=16, BLOCKS_PER_ITER=4)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))  # kernel_report
 SM90_MODULES = {"fused": fused, "decode": decode, "cascade": cascade}
 SM90_CASES = [  # (module.kernel, constexpr arguments): the engine's launches for Qwen3-0.6B heads
-    # with an fp8 cache (the cache pointers' type), then in the model dtype
+    # with an fp8 cache (the cache pointers' type), then in the model dtype; num_warps: 4 if absent
     ("fused._rotary_store_kernel@fp8",
      dict(H=16, H_PAD=16, HKV=8, HKV_PAD=8, HEAD_DIM=128, QK_NORM=True, STORE=True)),
     ("decode._paged_decode_kernel@fp8",
      dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=decode.TILE_TOKENS_FP8,
           NUM_STAGES=decode.NUM_STAGES)),
-    ("cascade._cascade_decode_kernel@fp8",
-     dict(GROUP=2, GROUP_PAD=8, HEAD_DIM=128, NUM_STAGES=cascade.DECODE_NUM_STAGES, CASCADE=True,
-          SINGLE_SPLIT=True, ATTEND_TILE=cascade._attend_tile_t, **DECODE_TILES)),
+    *[("cascade._cascade_decode_kernel@fp8",  # both fp8 launches, as (tile tokens, warps)
+       dict(GROUP=2, GROUP_PAD=8, HEAD_DIM=128, NUM_STAGES=cascade.DECODE_NUM_STAGES, CASCADE=True,
+            SINGLE_SPLIT=True, ATTEND_TILE=cascade._attend_tile_t, BLOCK_SIZE=16,
+            BLOCKS_PER_ITER=tile // 16, num_warps=warps))
+      for tile, warps in (cascade.FP8_LAUNCH, cascade.FP8_BUSY_LAUNCH)],
     ("cascade._cascade_prefix_kernel@fp8",
      dict(GROUP=2, ROWS=64, HEAD_DIM=128, NUM_STAGES=cascade.CASCADE_NUM_STAGES, BLOCK_SIZE=16,
           BLOCKS_PER_ITER=decode.TILE_TOKENS_FP8 // 16)),
@@ -516,8 +518,10 @@ def test_kernel_compiles_for_sm90(name: str, constexprs: dict) -> None:
     module, kernel_name = name.removesuffix("@fp8").split(".")
     kernel = getattr(SM90_MODULES[module], kernel_name)
     cache_type = "*fp8e4nv" if name.endswith("@fp8") else "*bf16"
-    compiled = kernel_report.compile_sm90(kernel, cache_type, constexprs)
-    assert compiled.asm["cubin"]
+    warps = constexprs.get("num_warps", 4)  # a launch option, not one of the kernel's arguments
+    constexprs = {k: v for k, v in constexprs.items() if k != "num_warps"}
+    compiled = kernel_report.compile_sm90(kernel, cache_type, constexprs, warps)
+    assert compiled.asm["cubin"] and compiled.metadata.num_warps == warps
 
 
 # --------------------------------------------------------------------------------------------------
