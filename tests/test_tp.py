@@ -26,6 +26,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [[1, 5, 9, 200, 31], [7] * 20, list(range(40, 77))]
 
 
+@pytest.fixture(autouse=True)
+def one_thread_per_worker(monkeypatch):
+    """Spawned ranks take their thread count from OMP_NUM_THREADS as they start: one each, so two
+    or three ranks on a 2-core machine do not spin against each other in every collective (this
+    process keeps its threads). Greedy output does not depend on it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory) -> str:
     """A random Qwen3-shaped model that starts in a second: 4 q / 2 KV heads, vocab 1001 (not a
