@@ -177,11 +177,12 @@ def rounded_store(part: str):
 
 def e4m3_terms(x: Tensor, terms: int, per_row: bool) -> Tensor:
     """x (fp32) as the sum of `terms` e4m3 values (what is left after each term is the next's),
-    each scaled by its rows' amax / 448 (per_row) or by 1."""
+    each scaled by its rows' amax / 448 (per_row) or by 1, rounded as the fp8 cache rounds."""
+    from nanoserve import kernels
     out, rest = torch.zeros_like(x), x
     for _ in range(terms):
         scale = rest.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX if per_row else 1.0
-        term = (rest / scale).to(FP8).float() * scale
+        term = kernels.to_cache_dtype(rest / scale, FP8).float() * scale
         out, rest = out + term, rest - term
     return out if terms else x
 
