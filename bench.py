@@ -471,7 +471,7 @@ def hf_cb_engine(model_dir: str, wl: Workload, args: argparse.Namespace,
     model = load_hf_model(model_dir, cb_attn_implementation(), device)
     mgr = init_cb_manager(model, wl)
     # generate_batch warms the manager up before start() (graphs, compiled shapes), as we do on a
-    # GPU; on the CPU there is nothing to capture and it took 13 s even for a 2-layer model
+    # GPU; on the CPU there is nothing to capture, and the warm-up is slow even for a tiny model
     if hasattr(mgr, "warmup") and device != "cpu":
         mgr.warmup()
     log(f"  hf-cb settings: {getattr(mgr, 'continuous_batching_config', 'n/a')}")
