@@ -4,8 +4,10 @@ Rank 0 runs in the user's process; ranks 1..N-1 are processes started with spawn
 Every step rank 0 pickles the call ("forward", inputs) into one shared-memory segment and wakes
 each worker with a semaphore (an Event's set() blocks forever if a waiter was killed); every rank
 then runs the same forward pass and meets the others in the collectives (NCCL on GPUs, gloo on
-CPUs; each rank's ModelRunner joins the process group at the port Workers picked). A worker
-that fails reports its traceback through a queue; rank 0 checks every step.
+CPUs; each rank's ModelRunner joins the process group at the port Workers picked). Each worker
+first releases its semaphore once, which rank 0 waits for before the rendezvous, so a worker that
+dies as it starts fails the engine at once. A worker that fails later reports its traceback
+through a queue; rank 0 checks every step.
 Invariant: after Workers.shutdown() no process, shared-memory segment or semaphore is left.
 """
 import contextlib
@@ -57,6 +59,11 @@ class Workers:
                 proc = ctx.Process(target=worker_main, args=args, daemon=True)
                 proc.start()
                 self.procs.append(proc)
+            # each worker releases its semaphore once as it starts (worker_main): one that dies
+            # first (spawn runs the main script again) fails here, not at the rendezvous' timeout
+            for wakeup in self.wakeups:
+                while not wakeup.acquire(timeout=0.1):  # ten looks a second
+                    self.check()
         except BaseException:  # a worker that failed to start: those already started stop
             self.shutdown()
             raise
@@ -73,14 +80,12 @@ class Workers:
     def check(self, wait_seconds: float = 0.0) -> None:
         """Raise a RuntimeError with the workers' errors if any worker died. wait_seconds: after a
         broken collective a peer is dying but may not be reaped yet, so wait for it."""
-        if wait_seconds:
-            exited = mp.connection.wait([p.sentinel for p in self.procs], timeout=wait_seconds)
-            for p in [p for p in self.procs if p.sentinel in exited]:
-                p.join(WORKER_JOIN_SECONDS)  # the sentinel closes just before the exit
-        dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
-        if not dead:
-            return
-        lines = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}" for rank, p in dead]
+        exited = mp.connection.wait([p.sentinel for p in self.procs], timeout=wait_seconds)
+        for p in [p for p in self.procs if p.sentinel in exited]:
+            p.join(WORKER_JOIN_SECONDS)  # the sentinel closes just before the exit
+        if not (lines := [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                          for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]):
+            return  # every worker alive
         # what the workers reported before exiting (a SIGKILLed one reports nothing): read
         # until the queue stays empty
         with contextlib.suppress(queue.Empty):
@@ -112,6 +117,7 @@ def worker_main(make_runner: Callable[[Config, int, int], Any], config: Config, 
     import torch._inductor.config
     torch._inductor.config.compile_threads = 1
     try:
+        wakeup.release()  # "started": rank 0 takes it before the rendezvous this worker waits in
         runner, shm = make_runner(config, rank, port), SharedMemory(shm_name)
         while True:
             wakeup.acquire()

@@ -39,8 +39,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.waiting, self.running = deque[Sequence](), deque[Sequence]()
         self.num_preemptions = 0  # since start-up (extensions.stats)
 
     def add(self, *seqs: Sequence) -> None:

@@ -211,6 +211,26 @@ def test_a_worker_that_fails_to_start_stops_the_others(monkeypatch):
     assert not multiprocessing.active_children() and shm_entries() - before == set()
 
 
+UNGUARDED_SCRIPT = """
+from nanoserve import LLM
+LLM({model!r}, max_model_len=256, tensor_parallel_size=2)  # no `if __name__ == "__main__":`
+"""
+
+
+def test_a_worker_that_dies_starting_fails_at_once(tiny_qwen3, tmp_path):
+    """A script that starts a TP engine without the `__main__` guard: spawn runs it again in the
+    worker, which dies before the rendezvous. Rank 0 raises within seconds, not after the
+    rendezvous' timeout (DIST_TIMEOUT), and the worker's own traceback names the guard."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT.format(model=tiny_qwen3))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 1 and time.monotonic() - start < 60, proc.stderr[-3000:]
+    assert re.search(r"worker failed.*\nrank 1 \(pid \d+\) exited with code 1", proc.stderr)
+    assert "if __name__ == '__main__'" in proc.stderr  # spawn's message, from the worker
+
+
 def test_second_engine_in_one_process_is_refused(tiny_qwen3):
     with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2):
         with pytest.raises(RuntimeError, match="another process"):

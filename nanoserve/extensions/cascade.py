@@ -200,9 +200,8 @@ def _cascade_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     load_q = seq < tl.where(block_start < block_end, num_seqs, 0)  # an idle split: no q loads
     q = _dot_dtype(tl.load(q_ptr + seq[:, None] * q_stride_s + heads[:, None] * q_stride_h
                            + offs_d[None, :], mask=load_q[:, None], other=0.0), k_cache_ptr)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    m_i, l_i = tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)  # the online softmax's state, as in decode
     for block in tl.range(block_start, block_end, BLOCKS_PER_ITER, num_stages=NUM_STAGES):
         seq_block = block + offs_t // BLOCK_SIZE  # (TILE,)
         valid = seq_block < block_end  # prefix blocks are full: only the split's end masks
