@@ -1,5 +1,7 @@
 """Tensor parallelism on the CPU (gloo): same greedy output as one rank, clean failure, engines side
-by side, nothing left in /dev/shm after shutdown."""
+by side, nothing left in /dev/shm after shutdown. Every engine here runs on the CPU, also on a GPU
+machine (there the tiny model's KV cache would be millions of blocks); test_gpu.py has TP on GPUs.
+"""
 import gc
 import glob
 import multiprocessing
@@ -59,18 +61,18 @@ def shm_entries() -> set[str]:
 
 
 def test_tp2_matches_tp1_on_tiny_qwen3(tiny_qwen3):
-    with LLM(tiny_qwen3, max_model_len=256) as llm:
+    with LLM(tiny_qwen3, max_model_len=256, device="cpu") as llm:
         expected = greedy_ids(llm)
-    with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2) as llm:
+    with LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2) as llm:
         assert greedy_ids(llm) == expected
 
 
 def test_tp2_with_speculative_decoding_matches_tp1(tiny_qwen3):
     """Drafts verified on two ranks: each runs the k + 1 rows a sequence, rank 0 samples them."""
     prompts = PROMPTS + [[3, 4, 5, 6] * 8]  # a loop: the lookup proposes
-    with LLM(tiny_qwen3, max_model_len=256) as llm:
+    with LLM(tiny_qwen3, max_model_len=256, device="cpu") as llm:
         expected = greedy_ids(llm, prompts)
-    with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2,
+    with LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2,
              speculative_method="ngram", prompt_lookup_min=1) as llm:
         assert greedy_ids(llm, prompts) == expected
         assert llm.loop.stats.num_accepted_tokens > 0
@@ -86,7 +88,7 @@ def test_tp2_with_guided_decoding_matches_tp1(tiny_qwen3):
                             guided_decoding=GuidedDecodingParams(regex=regex))
     outs = {}
     for tp in (1, 2):
-        with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=tp) as llm:
+        with LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=tp) as llm:
             outs[tp] = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o["token_ids"] for o in outs[2]] == [o["token_ids"] for o in outs[1]]
     assert all(re.fullmatch(regex, o["text"]) for o in outs[2]), outs[2]
@@ -99,7 +101,8 @@ def test_tp2_fp8_kv_cache_matches_tp1(tiny_qwen3):
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
     outs = {}
     for kv, tp in (("auto", 1), ("fp8", 1), ("fp8", 2)):
-        with LLM(tiny_qwen3, max_model_len=256, kv_cache_dtype=kv, tensor_parallel_size=tp) as llm:
+        with LLM(tiny_qwen3, max_model_len=256, device="cpu", kv_cache_dtype=kv,
+                 tensor_parallel_size=tp) as llm:
             outs[kv, tp] = llm.generate(PROMPTS, params, use_tqdm=False)
             if tp == 2:  # (k/v, layers, blocks, block size, KV heads of this rank, head dim)
                 cache = llm.model_runner.kv_cache
@@ -126,10 +129,10 @@ def moved(outs_a: list[dict], outs_b: list[dict]) -> float:
 def test_tp3_matches_tp1_on_default_model_and_leaves_no_shm():
     # SmolLM2: 9 query / 3 KV heads, so each of 3 ranks holds 3 query heads and 1 KV head
     prompts = [[1, 9519, 28, 957, 1462, 314], [504, 3575, 282, 4649, 314]]
-    with LLM(max_model_len=256) as llm:
+    with LLM(max_model_len=256, device="cpu") as llm:
         expected = greedy_ids(llm, prompts)
     before = shm_entries()
-    with LLM(max_model_len=256, tensor_parallel_size=3) as llm:
+    with LLM(max_model_len=256, device="cpu", tensor_parallel_size=3) as llm:
         created = shm_entries() - before
         assert greedy_ids(llm, prompts) == expected
     assert any(n.startswith("sem.") for n in created) and any("nanoserve" in n for n in created)
@@ -138,7 +141,7 @@ def test_tp3_matches_tp1_on_default_model_and_leaves_no_shm():
 
 def test_tp2_shutdown_leaves_no_shm(tiny_qwen3):
     before = shm_entries()
-    llm = LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2)
+    llm = LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
     created = shm_entries() - before
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     llm.shutdown()
@@ -148,7 +151,7 @@ def test_tp2_shutdown_leaves_no_shm(tiny_qwen3):
 
 def test_killed_worker_raises_and_cleans_up(tiny_qwen3):
     before = shm_entries()
-    llm = LLM(tiny_qwen3, max_model_len=4096, tensor_parallel_size=2)
+    llm = LLM(tiny_qwen3, max_model_len=4096, device="cpu", tensor_parallel_size=2)
     worker = llm.workers.procs[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
@@ -168,7 +171,7 @@ TWO_ENGINES_SCRIPT = """
 import os, sys, time
 from nanoserve import LLM, SamplingParams
 model, me, other = sys.argv[1:]
-with LLM(model, max_model_len=256, tensor_parallel_size=2) as llm:
+with LLM(model, max_model_len=256, device="cpu", tensor_parallel_size=2) as llm:
     open(me, "w").write(llm.workers.shm.name)
     deadline = time.time() + 120
     while not os.path.exists(other) and time.time() < deadline:  # both engines are up at once
@@ -205,7 +208,7 @@ def test_a_worker_that_fails_to_start_stops_the_others(monkeypatch):
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", failing_start)
     before = shm_entries()
     with pytest.raises(OSError, match="simulated"):
-        LLM(None, max_model_len=256, tensor_parallel_size=3)
+        LLM(None, max_model_len=256, device="cpu", tensor_parallel_size=3)
     calls.clear()  # the Process objects hold the semaphores, which live until collected
     gc.collect()
     assert not multiprocessing.active_children() and shm_entries() - before == set()
@@ -213,7 +216,8 @@ def test_a_worker_that_fails_to_start_stops_the_others(monkeypatch):
 
 UNGUARDED_SCRIPT = """
 from nanoserve import LLM
-LLM({model!r}, max_model_len=256, tensor_parallel_size=2)  # no `if __name__ == "__main__":`
+# no `if __name__ == "__main__":` guard
+LLM({model!r}, max_model_len=256, device="cpu", tensor_parallel_size=2)
 """
 
 
@@ -232,14 +236,14 @@ def test_a_worker_that_dies_starting_fails_at_once(tiny_qwen3, tmp_path):
 
 
 def test_second_engine_in_one_process_is_refused(tiny_qwen3):
-    with LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2):
+    with LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2):
         with pytest.raises(RuntimeError, match="another process"):
-            LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2)
+            LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
 
 
 def test_worker_error_reaches_rank0(tiny_qwen3):
     """A worker that raises (asked for a method it lacks) exits; rank 0 raises its traceback."""
-    llm = LLM(tiny_qwen3, max_model_len=256, tensor_parallel_size=2)
+    llm = LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
     try:
         llm.workers.call("no_such_method")
         llm.workers.procs[0].join(timeout=30)  # the worker reports and exits at once
