@@ -94,6 +94,7 @@ CB_POLL_S = 1              # hf-cb: how long one wait for a finished request las
 CB_STALL_S = 600           # hf-cb: give up when no request finishes for this long
 CB_STOP_TIMEOUT_S = 60
 PROGRESS_EVERY = 64        # hf-cb: log every this many finished requests
+CB_CPU_MAX_BATCH_TOKENS = 1024  # hf-cb on the CPU: tokens per step (its cache: the workload's)
 NOTE_MAX_CHARS = 200       # a failed engine's error, cut to fit a table row
 GUIDED_MIN_RECORDS = 1000  # --guided: the schema's shortest document, longer than W1's outputs
 
@@ -417,15 +418,25 @@ def cb_attn_implementation() -> str:
     return "sdpa" if (major, minor) >= (5, 23) else "paged|sdpa"
 
 
-def init_cb_manager(model: "PreTrainedModel", wl: Workload) -> "ContinuousBatchingManager":
+def init_cb_manager(model: "PreTrainedModel", wl: Workload,
+                    device: str) -> "ContinuousBatchingManager":
     """init_continuous_batching with the hints generate_batch would give, where this version
-    takes them. eos_token_id None: the manager disables EOS."""
+    takes them. eos_token_id None: the manager disables EOS. On a GPU the manager sizes its
+    cache itself, as users get it; on the CPU it would size it from the machine's RAM, and its
+    first step would fill gigabytes of cache and masks: there the cache holds the workload."""
     from transformers import GenerationConfig
     gen = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=True,
                            temperature=TEMPERATURE, top_k=0, top_p=1.0, eos_token_id=None,
                            pad_token_id=pad_token_id(model))
     kwargs = {"generation_config": gen}
-    if "workload_hints" in inspect.signature(model.init_continuous_batching).parameters:
+    params = inspect.signature(model.init_continuous_batching).parameters
+    if device == "cpu" and "continuous_batching_config" in params:
+        from transformers import ContinuousBatchingConfig
+        page = ContinuousBatchingConfig().page_size  # tokens per cache block
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(wl.prompts, wl.output_lens)),
+            max_batch_tokens=min(sum(map(len, wl.prompts)), CB_CPU_MAX_BATCH_TOKENS))
+    if "workload_hints" in params:
         from transformers.generation.continuous_batching.utils import WorkloadHints
         hints = dict(max_prompt_length=max(map(len, wl.prompts)),
                      max_generated_length=max(wl.output_lens), num_requests=len(wl.prompts))
@@ -469,7 +480,7 @@ def hf_cb_engine(model_dir: str, wl: Workload, args: argparse.Namespace,
     """transformers continuous batching: one running manager, to which each workload's requests
     are added (run_cb_requests); stopped on exit."""
     model = load_hf_model(model_dir, cb_attn_implementation(), device)
-    mgr = init_cb_manager(model, wl)
+    mgr = init_cb_manager(model, wl, device)
     # generate_batch warms the manager up before start() (graphs, compiled shapes), as we do on a
     # GPU; on the CPU there is nothing to capture, and the warm-up is slow even for a tiny model
     if hasattr(mgr, "warmup") and device != "cpu":
