@@ -481,9 +481,7 @@ def hf_cb_engine(model_dir: str, wl: Workload, args: argparse.Namespace,
     are added (run_cb_requests); stopped on exit."""
     model = load_hf_model(model_dir, cb_attn_implementation(), device)
     mgr = init_cb_manager(model, wl, device)
-    # generate_batch warms the manager up before start() (graphs, compiled shapes), as we do on a
-    # GPU; on the CPU there is nothing to capture, and the warm-up is slow even for a tiny model
-    if hasattr(mgr, "warmup") and device != "cpu":
+    if hasattr(mgr, "warmup"):   # generate_batch warms the manager up before start(), as we do
         mgr.warmup()
     log(f"  hf-cb settings: {getattr(mgr, 'continuous_batching_config', 'n/a')}")
     mgr.start()
