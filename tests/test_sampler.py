@@ -139,9 +139,14 @@ def test_keys_with_neighbouring_row_words_share_no_noise():
 
 def test_the_noise_is_a_hash_of_key_and_token():
     words = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**32 - 1]
-    assert sampling.mix32(torch.tensor(words)).tolist() == [lowbias32(x) for x in words]
+    mixed = sampling.mix32(torch.tensor(words).int())  # int32 words: 2**31 and up wrap negative
+    assert (mixed.long() & 0xFFFFFFFF).tolist() == [lowbias32(x) for x in words]
     keys = torch.tensor([0, 1, 2**32, 2**62 + 17, 2**63 - 1])
     u = sampling.uniform(keys, 1000)  # (5, 1000)
+    for i, key in enumerate(keys.tolist()):  # the noise as the module docstring defines it
+        row = lowbias32(lowbias32(key >> 32) ^ (key & 0xFFFFFFFF))
+        for j in (0, 1, 999):
+            assert u[i, j] == ((lowbias32(lowbias32(row ^ j) ^ row) >> 9) + 0.5) * 2**-23
     assert u.dtype == torch.float32 and 0 < u.min() and u.max() < 1
     # token j's noise depends on the key and j alone: not on the vocabulary, batch or place
     assert torch.equal(sampling.uniform(keys, 300), u[:, :300])

@@ -3,7 +3,8 @@
 On the GPU and under TRITON_INTERPRET=1, with `fused_kernels=True` (the default).
 
 A layer's plain steps before attention are five launches (two norms, two rotations, the store):
-one Triton program per token does them all, rotating q and k in place. The remaining elementwise
+one Triton launch does them all, rotating q and k in place, with two programs per token (q's
+heads; k's heads and the store) to halve each program's chain of loads. The remaining elementwise
 chains (add + RMSNorm, SiLU-and-mul, prefill's gather of keys, dequantizing an fp8 cache) go
 through torch.compile, which fuses each chain into one kernel: a launch and a round trip through
 memory saved per op. The sampler (kernels.sampling: noise hash, temperature, race) compiles the
@@ -90,30 +91,31 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weig
                          k_stride, v_stride, eps, H: tl.constexpr, H_PAD: tl.constexpr,
                          HKV: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          QK_NORM: tl.constexpr, STORE: tl.constexpr):
-    token = tl.program_id(0)  # one program per token: all its heads of q, k and v
+    # program (token, 0) rotates the token's q heads; (token, 1) its k heads, and stores k and v
+    token, part = tl.program_id(0), tl.program_id(1)
     half = tl.arange(0, HEAD_DIM // 2)[None, :]  # (1, D/2)
     # the position's row of the table: D/2 cosines, then D/2 sines
     angles = cos_sin_ptr + tl.load(positions_ptr + token) * HEAD_DIM
     cos, sin = tl.load(angles + half), tl.load(angles + HEAD_DIM // 2 + half)
-    _norm_rotate_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps, H, H_PAD, HEAD_DIM,
-                       QK_NORM)
-    k1, k2 = _norm_rotate_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, HKV,
-                                HKV_PAD, HEAD_DIM, QK_NORM)
-    # the cache holds the rotated keys; an fp8 cache rounds them and v to e4m3 in the store's cast
-    # (nearest even, saturating at +-448): scale 1, as store_kvcache_ref does
-    if STORE:
-        slot = tl.load(slot_mapping_ptr + token)
+    if part == 0:
+        _norm_rotate_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps, H, H_PAD,
+                           HEAD_DIM, QK_NORM)
+    else:
         heads = tl.arange(0, HKV_PAD)[:, None]
-        # slot -1 (a padded graph row): no heads
+        slot = tl.load(slot_mapping_ptr + token) if STORE else -1
+        # slot -1 (a padded graph row) or no cache yet: no heads, no loads or stores of v
         mask = (heads < tl.where(slot >= 0, HKV, 0)) & (half >= 0)
-        # a slot is one (Hkv, D) cache row
-        dst = slot.to(tl.int64) * (HKV * HEAD_DIM) + heads * HEAD_DIM + half
-        src = v_ptr + token * v_stride + heads * HEAD_DIM + half
+        src = v_ptr + token * v_stride + heads * HEAD_DIM + half  # v loads first: they fly
+        v1, v2 = tl.load(src, mask=mask), tl.load(src + HEAD_DIM // 2, mask=mask)  # meanwhile
+        k1, k2 = _norm_rotate_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, HKV,
+                                    HKV_PAD, HEAD_DIM, QK_NORM)
+        # the cache holds the rotated keys; an fp8 cache rounds them and v to e4m3 in the store's
+        # cast (nearest even, saturating at +-448): scale 1, as store_kvcache_ref does
+        dst = slot.to(tl.int64) * (HKV * HEAD_DIM) + heads * HEAD_DIM + half  # one cache row
         tl.store(k_cache_ptr + dst, k1, mask=mask)
         tl.store(k_cache_ptr + dst + HEAD_DIM // 2, k2, mask=mask)
-        tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst + HEAD_DIM // 2, tl.load(src + HEAD_DIM // 2, mask=mask),
-                 mask=mask)
+        tl.store(v_cache_ptr + dst, v1, mask=mask)
+        tl.store(v_cache_ptr + dst + HEAD_DIM // 2, v2, mask=mask)
 
 
 def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor,
@@ -137,7 +139,7 @@ def rotary_and_store(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin
                          and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
                          and slot_mapping.dtype == torch.int32)
     q_weight, k_weight, eps = qk_norm or (q, k, 0.0)  # without the norm the weights are never read
-    _rotary_store_kernel[(N,)](  # one program per token
+    _rotary_store_kernel[(N, 2)](  # two programs per token: q's heads, k's and the store
         q, k, v, positions, cos_sin, q_weight, k_weight, k_cache if store else k,
         v_cache if store else v, slot_mapping, q.stride(0), k.stride(0), v.stride(0), eps, H=H,
         H_PAD=triton.next_power_of_2(H), HKV=Hkv, HKV_PAD=triton.next_power_of_2(Hkv), HEAD_DIM=D,

@@ -12,26 +12,24 @@ batch and order. T = 0 rows take the argmax. Called by the model runner through 
 import torch
 from torch import Tensor
 
-MASK32 = 0xFFFFFFFF  # the hash's 32-bit words live in int64 >= 0, where >> is a logical shift
-
 
 def mix32(x: Tensor) -> Tensor:
-    """lowbias32 (C. Wellons' hash-prospector): 32-bit words (int64 in [0, 2**32)) to 32 bits, an
-    input bit's flip flipping each output bit with probability ~1/2. A product keeps its low 32
-    bits; both multipliers are under 2**31 in size (0x846CA68B as its twin mod 2**32): no int64
-    overflow."""
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & MASK32
-    x = ((x ^ (x >> 15)) * (0x846CA68B - (1 << 32))) & MASK32
-    return x ^ (x >> 16)
+    """lowbias32 (C. Wellons' hash-prospector): 32-bit words to 32 bits, an input bit's flip
+    flipping each output bit with probability ~1/2. The words are int32, since a GPU does int64
+    arithmetic in several 32-bit steps: products wrap mod 2**32, masks make >> a logical shift,
+    and 0x846CA68B is written as its int32 twin."""
+    x = (x ^ ((x >> 16) & 0xFFFF)) * 0x7FEB352D
+    x = (x ^ ((x >> 15) & 0x1FFFF)) * (0x846CA68B - (1 << 32))
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def uniform(keys: Tensor, vocab: int) -> Tensor:
     """(S, V) float32 uniforms strictly inside (0, 1), a pure function of (keys[i], token j)."""
-    row = mix32(mix32((keys >> 32) & MASK32) ^ (keys & MASK32)).unsqueeze(1)  # (S, 1) both halves
+    row = mix32(mix32((keys >> 32).int()) ^ keys.int()).unsqueeze(1)  # (S, 1): both 32-bit halves
     # the row word goes in before and after the token's round: rows whose words differ in low bits
     # would share their noise reordered after one round, after two they share nothing
-    bits = mix32(mix32(row ^ torch.arange(vocab, device=keys.device)) ^ row)  # (S, V)
-    return ((bits >> 9).float() + 0.5) * 2**-23  # the top 23 bits: exact in float32
+    bits = mix32(mix32(row ^ torch.arange(vocab, dtype=torch.int32, device=keys.device)) ^ row)
+    return (((bits >> 9) & 0x7FFFFF).float() + 0.5) * 2**-23  # the top 23 bits: exact in float32
 
 
 def sample(logits: Tensor, temperatures: Tensor, keys: Tensor) -> Tensor:
