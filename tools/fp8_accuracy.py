@@ -53,7 +53,9 @@ from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve import LLM, SamplingParams, kernels  # noqa: E402
+from nanoserve.kernels import rotary  # noqa: E402
+from nanoserve.weights import default_model_dir  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest value
@@ -159,8 +161,6 @@ def value_ranges(kv_cache: Tensor) -> dict:
 def rounded_store(part: str):
     """Within it, the CPU reference store rounds only K (part "k") or only V ("v") through e4m3
     (as an fp8 cache would) before writing them into a cache in the model's dtype."""
-    from nanoserve import kernels
-    from nanoserve.kernels import rotary
     store = rotary.store_kv
 
     def store_rounded(key: Tensor, value: Tensor, *caches_and_slots: Tensor) -> None:
@@ -178,7 +178,6 @@ def rounded_store(part: str):
 def e4m3_terms(x: Tensor, terms: int, per_row: bool) -> Tensor:
     """x (fp32) as the sum of `terms` e4m3 values (what is left after each term is the next's),
     each scaled by its rows' amax / 448 (per_row) or by 1, rounded as the fp8 cache rounds."""
-    from nanoserve import kernels
     out, rest = torch.zeros_like(x), x
     for _ in range(terms):
         scale = rest.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX if per_row else 1.0
@@ -223,8 +222,6 @@ def jitter(x: Tensor, run: int) -> Tensor:
 def jittered_rounding(run: int):
     """Within it, every rounding to e4m3 (the CPU store and the transformers probe both call
     kernels.to_cache_dtype) rounds jitter(x, run) in the place of x."""
-    from nanoserve import kernels
-    from nanoserve.kernels import rotary
     to_cache_dtype = rotary.to_cache_dtype
 
     def jittered(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -242,7 +239,6 @@ def kv_difference_from_transformers(asked: list[str], num_prompts: int = 4) -> d
     layer: the median and the 90th percentile. A jitter of that size is float32-level."""
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     diffs: dict[str, list[Tensor]] = {"K": [], "V": []}
@@ -274,7 +270,6 @@ def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
     transformers probe), against the unrounded run, which the jitter does not touch: run once."""
     from test_e2e import MAX_TOKENS
 
-    from nanoserve.weights import default_model_dir
     difference = kv_difference_from_transformers(asked)
     print(f"  nanoserve's K and V against transformers' (relative): {difference}")
     model_dir = default_model_dir()
@@ -340,7 +335,6 @@ def cpu_results(part: str, asked: list[str], forced: bool = False,
                 fa3: tuple | None = None) -> dict:
     from test_e2e import MAX_TOKENS
 
-    from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
     rounded = {"kv": "", "k": ", K rounded only", "v": ", V rounded only"}[part]
@@ -355,8 +349,6 @@ def probe_model(model_dir: str, attention: str):
     them."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from nanoserve import kernels
 
     def rounded_attention(module, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
         # looked up at each call: jittered_rounding replaces kernels.to_cache_dtype
@@ -388,7 +380,6 @@ def transformers_results(asked: list[str]) -> dict:
     """The issue's rounding probe, on the CPU prompts: transformers' model greedy with K and V
     rounded (probe_model), against the unrounded model; and both teacher-forced on the unrounded
     model's outputs."""
-    from nanoserve.weights import default_model_dir
     model_dir = default_model_dir()
     prompts = chat_prompts(model_dir, asked)
     runs, forced = {}, {}
