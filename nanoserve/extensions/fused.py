@@ -105,8 +105,9 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weig
         slot = tl.load(slot_mapping_ptr + token) if STORE else -1
         # slot -1 (a padded graph row) or no cache yet: no heads, no loads or stores of v
         mask = (heads < tl.where(slot >= 0, HKV, 0)) & (half >= 0)
-        src = v_ptr + token * v_stride + heads * HEAD_DIM + half  # v loads first: they fly
-        v1, v2 = tl.load(src, mask=mask), tl.load(src + HEAD_DIM // 2, mask=mask)  # meanwhile
+        # v's loads are issued first, and are in flight while k's heads are rotated
+        src = v_ptr + token * v_stride + heads * HEAD_DIM + half
+        v1, v2 = tl.load(src, mask=mask), tl.load(src + HEAD_DIM // 2, mask=mask)
         k1, k2 = _norm_rotate_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, HKV,
                                     HKV_PAD, HEAD_DIM, QK_NORM)
         # the cache holds the rotated keys; an fp8 cache rounds them and v to e4m3 in the store's
