@@ -94,9 +94,10 @@ def instrument(llm: LLM) -> list[dict]:
     for name in ("schedule", "schedule_prefill", "schedule_decode"):
         timed(sched, name, "schedule")
     timed(sched, "postprocess", "postprocess")
-    if llm.overlap is not None:  # its own halves: the next decode, and dropping late tokens
-        timed(llm.overlap, "_schedule_decode", "schedule")
-        timed(llm.overlap, "_postprocess", "postprocess")
+    if hasattr(llm.loop, "_schedule_decode"):  # the overlap loop's halves: the next decode,
+        # and dropping late tokens
+        timed(llm.loop, "_schedule_decode", "schedule")
+        timed(llm.loop, "_postprocess", "postprocess")
     timed(StepOutput, "tolist", "wait")
     step = llm.step
 
@@ -139,8 +140,8 @@ def drain(llm: LLM) -> None:
     """Step until every request has finished and no step is left in flight."""
     while llm.scheduler.has_unfinished():
         llm.step()
-    if llm.overlap is not None:
-        llm.overlap.finish()  # a step launched for sequences that turned out finished
+    if llm.loop is not None:
+        llm.loop.finish()  # a step launched for sequences that turned out finished
 
 
 def kernel_table(llm: LLM, batch: int, context: int, prefill: bool = False) -> str:
