@@ -459,6 +459,9 @@ def test_default_num_splits() -> None:
         assert cascade.default_num_splits(1, 8, 256, cuda) == cascade.MAX_SPLITS
         assert cascade.default_num_splits(1, 8, 3, cuda) == 3  # no more splits than table columns
         assert 1 < cascade.default_num_splits(32, 8, 256, cuda) < cascade.MAX_SPLITS
+        # to SPLIT_WARPS_PER_SM: 2 programs of 4 warps an SM (batch 33 unsplit), 4 of 2 (split)
+        assert cascade.default_num_splits(33, 8, 256, cuda) == 1
+        assert cascade.default_num_splits(33, 8, 256, cuda, warps=2) == 2
 
 
 # --------------------------------------------------------------------------------------------------

@@ -97,7 +97,8 @@ def sweep(cache: str, sorts: tuple[bool, ...], results: list[dict]) -> None:
     for S, lo, hi in CASES:
         for sort in sorts:
             q, tables, lens, nbytes = make_case(S, lo, hi, sort, num_blocks, k.element_size())
-            default = cascade.default_num_splits(S, Hkv, tables.shape[1], q.device)
+            default = cascade.default_num_splits(S, Hkv, tables.shape[1], q.device,
+                                                 warps=configs[0][2])  # the engine's launch
             for splits in sorted({default, 1, 2}):
                 for tile, stages, warps in configs if splits == default else configs[:1]:
                     set_launch(cache, tile, stages, warps)

@@ -33,7 +33,7 @@ DECODE_NUM_WARPS = 4  # more warps per program were slower
 # again, 8 an SM, which hide each other's latency; a smaller grid finishes sooner on longer tiles.
 FP8_LAUNCH, FP8_BUSY_LAUNCH, FP8_BUSY_PROGRAMS_PER_SM = (64, 2), (32, 1), 8
 FP8_GROUP_ROWS = 8  # and its GQA group padded to tl.dot's N of 8, not its M of 16
-SPLIT_PROGRAMS_PER_SM = 2  # split KV until the grid has this many programs per SM (~4 fit; 2 best)
+SPLIT_WARPS_PER_SM = 8  # split KV to 8 warps an SM: bf16 2 programs (2 beat 4), fp8 4 (4 beat 2)
 MAX_SPLITS = 16  # more splits were slower even at batch 1: each adds a partial to merge
 # Cascade prefix kernel (a shared prefix, see cascade_decode): one program multiplies CASCADE_ROWS
 # query rows (sequences x the query heads of one KV head) by each prefix K/V tile, so the prefix is
@@ -241,13 +241,14 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, HEAD_D
 # --------------------------------------------------------------------------------------------------
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, device: torch.device,
-                       prefix: bool = False) -> int:
+                       prefix: bool = False, warps: int = DECODE_NUM_WARPS) -> int:
     """Splits per sequence for cascade_decode, from shapes only (CUDA-graph safe, never from
     context_lens).
 
-    Flash-decoding: split each sequence's blocks only until the (sequence, KV head, split) grid has
-    SPLIT_PROGRAMS_PER_SM programs for every SM. Large batches get there alone: 1 split, no merge
-    launch. Never more splits than block-table columns (a split needs >= 1 block) or MAX_SPLITS.
+    Flash-decoding: split each sequence's blocks only until the (sequence, KV head, split) grid of
+    programs of `warps` warps has SPLIT_WARPS_PER_SM warps for every SM. Large batches get there
+    alone: 1 split, no merge launch. Never more splits than block-table columns (a split needs >= 1
+    block) or MAX_SPLITS.
 
     prefix=True: the shared prefix's splits for the cascade prefix kernel (never from P), num_seqs
     counting row tiles: (KV head, row tile) programs, CASCADE_PROGRAMS_PER_SM of them, rounded
@@ -255,7 +256,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, device
     """
     programs, sms = num_seqs * num_kv_heads, sm_count(device)
     splits = (CASCADE_PROGRAMS_PER_SM * sms // programs if prefix
-              else triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, programs))
+              else triton.cdiv(SPLIT_WARPS_PER_SM * sms, programs * warps))
     return max(1, min(splits, max_blocks, MAX_SPLITS))
 
 
@@ -280,7 +281,13 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     group, cascade = H // Hkv, num_common_blocks is not None
     assert not cascade or (num_common_blocks.shape, num_common_blocks.dtype) == ((1,), torch.int32)
     assert num_splits is None or num_splits >= 1
-    num_splits = num_splits or default_num_splits(S, Hkv, max_blocks, q.device)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    # an fp8 cache's products run transposed (_attend_tile_t), its group padded to 8 rows
+    busy = S * Hkv >= FP8_BUSY_PROGRAMS_PER_SM * sm_count(q.device)
+    step, min_rows, (tile, warps) = (
+        (_attend_tile_t, FP8_GROUP_ROWS, FP8_BUSY_LAUNCH if busy else FP8_LAUNCH) if fp8
+        else (_attend_tile, decode.MIN_GROUP_ROWS, (DECODE_TILE_TOKENS, DECODE_NUM_WARPS)))
+    num_splits = num_splits or default_num_splits(S, Hkv, max_blocks, q.device, warps=warps)
     row_tiles = triton.cdiv(S * group, CASCADE_ROWS)  # (sequence, query head) rows per KV head
     # the shared prefix's splits (prefix=True): none without one
     prefix_splits = default_num_splits(row_tiles, Hkv, max_blocks, q.device, True) if cascade else 0
@@ -294,7 +301,6 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     part_out = part_lse.new_empty(S, H, num_slots, D) if num_slots else out  # fp32 (S, H, slots, D)
     qk_scale = scale * decode.LOG2E  # scores in log2 units: the kernels use exp2
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1))
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     launch = dict(GROUP=group, HEAD_DIM=D, BLOCK_SIZE=B)  # both kernels walk whole blocks
     if cascade:  # launched first: the per-sequence kernel folds its partials in
         _cascade_prefix_kernel[(Hkv, row_tiles, prefix_splits)](  # (Hkv, cdiv(S * GROUP, ROWS), .)
@@ -302,11 +308,6 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
             qk_scale, decode.FP8_V_SCALE, S, num_slots, *strides, ROWS=CASCADE_ROWS,
             NUM_STAGES=CASCADE_NUM_STAGES, num_warps=CASCADE_NUM_WARPS, **launch,  # fp8: 2x rows
             BLOCKS_PER_ITER=max(1, (decode.TILE_TOKENS_FP8 if fp8 else DECODE_TILE_TOKENS) // B))
-    # an fp8 cache's products run transposed (_attend_tile_t), its group padded to 8 rows
-    busy = S * Hkv >= FP8_BUSY_PROGRAMS_PER_SM * sm_count(q.device)
-    step, min_rows, (tile, warps) = (
-        (_attend_tile_t, FP8_GROUP_ROWS, FP8_BUSY_LAUNCH if busy else FP8_LAUNCH) if fp8
-        else (_attend_tile, decode.MIN_GROUP_ROWS, (DECODE_TILE_TOKENS, DECODE_NUM_WARPS)))
     _cascade_decode_kernel[(Hkv, S, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_common_blocks, out, part_out, part_lse,
         qk_scale, decode.FP8_V_SCALE, prefix_splits, num_slots, *strides, block_tables.stride(0),
