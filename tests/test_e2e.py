@@ -319,7 +319,7 @@ def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_model, hf_outputs):
     request (prefix-cache hits: every key read back from the cache, as decode reads it): its top
     token is transformers' at >= FP8_FORCED_AGREEMENT of them, and the logprobs of transformers'
     tokens differ by at most FP8_MEAN_LOGPROB_TOL on average. Sequences that part cannot change
-    what is compared (the measured figures: docs/performance.md)."""
+    what is compared (the measured figures: docs/fp8_cache.md)."""
     requests = [ids + ref[:t] for ids, ref in zip(prompts, hf_outputs) for t in range(len(ref))]
     chosen = [t for ref in hf_outputs for t in ref]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)

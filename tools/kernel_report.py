@@ -8,7 +8,7 @@ pipeliner made asynchronous (`cp.async` into shared memory), and the main loop's
 opcode.
 Pointer and stride arguments get the divisible-by-16 hint that aligned arguments get at run
 time; without it Triton cannot vectorize or pipeline the K/V loads and the figures mislead.
-docs/performance.md reads these figures against the kernels' measured bandwidth.
+docs/fp8_cache.md reads these figures against the kernels' measured bandwidth.
 
     python tools/kernel_report.py [--top 12]
 """

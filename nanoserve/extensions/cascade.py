@@ -24,7 +24,7 @@ from nanoserve.kernels.decode import _attend_tile, _dot_dtype  # the core's tile
 from nanoserve.layers import ForwardContext
 from nanoserve.models import DecoderModel
 
-# Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md has the sweeps)
+# Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md, fp8_cache.md)
 DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks)
 DECODE_NUM_STAGES = 3  # software pipelining: the next two steps' loads fly during this one
 DECODE_NUM_WARPS = 4  # more warps per program were slower

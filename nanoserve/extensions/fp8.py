@@ -6,7 +6,7 @@ half the bytes.
 K and V are stored as they are (per-tensor scale 1, as vLLM's default), rounded to 3 mantissa
 bits, saturating at +-448 (kernels.to_cache_dtype). The core's kernels read any cache dtype and
 dequantize in registers; this extension chooses the dtype at the cache-dtype point (the model
-runner's KV cache allocation) and checks the GPU can convert it. docs/performance.md measures the
+runner's KV cache allocation) and checks the GPU can convert it. docs/fp8_cache.md measures the
 values' range, the accuracy and the speed.
 """
 import torch

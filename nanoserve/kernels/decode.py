@@ -45,7 +45,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_id, offset, v
     if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # dequantized in registers, to q's fp16
         # V times its scale, a run-time value: the multiply also makes Triton widen V before the
         # shared-memory stage that transposes V for p @ v, where ldmatrix.trans moves 16-bit
-        # values (e4m3 ones would be read back one byte at a time: docs/performance.md)
+        # values (e4m3 ones would be read back one byte at a time: docs/fp8_cache.md)
         k, v = k.to(q.dtype), v.to(q.dtype) * tl.cast(v_scale, q.dtype)
     # (ROWS, TILE) fp32 scores, the scale folded with log2(e); invalid tokens -inf
     s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
