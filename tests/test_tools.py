@@ -178,3 +178,24 @@ def test_fa3_products_match_sdpa_unrounded_and_restore_it(gqa: bool) -> None:
                                                  enable_gqa=gqa)
     assert F.scaled_dot_product_attention is sdpa  # restored
     assert 1e-3 < (rounded - want).abs().max() < 0.2  # FA3's e4m3 q and p move the output
+
+
+def test_profile_steps_times_the_overlap_loops_own_halves(tmp_path: Path) -> None:
+    """tools/profile_steps.instrument wraps the engine's step loop too: with overlap scheduling
+    (the default) a decode step's record holds the next step's scheduling."""
+    from bench import QWEN3_TINY
+    from bench_utils import build_random_qwen3
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.extensions.overlap import OverlapLoop
+    profile_steps = pytest.importorskip("profile_steps")
+    model_dir = build_random_qwen3(tmp_path / "tiny", QWEN3_TINY, "cpu")
+    with LLM(model_dir, max_model_len=256) as llm:
+        assert isinstance(llm.loop, OverlapLoop)
+        records = profile_steps.instrument(llm)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        llm.add_request([1, 2, 3, 4], params)
+        profile_steps.drain(llm)
+    decode = [r for r in records if r["kind"] != "prefill"]
+    assert len(decode) == 5  # the prefill samples the first of the 6 tokens
+    assert any(r.get("schedule", 0) > 0 for r in decode)  # the overlap loop's _schedule_decode
+    assert all(r["postprocess"] > 0 for r in decode)

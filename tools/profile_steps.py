@@ -32,6 +32,7 @@ from bench import (  # noqa: E402
 )
 from bench_utils import build_random_qwen3  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.extensions.overlap import OverlapLoop  # noqa: E402
 from nanoserve.model_runner import StepOutput  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -94,8 +95,7 @@ def instrument(llm: LLM) -> list[dict]:
     for name in ("schedule", "schedule_prefill", "schedule_decode"):
         timed(sched, name, "schedule")
     timed(sched, "postprocess", "postprocess")
-    if hasattr(llm.loop, "_schedule_decode"):  # the overlap loop's halves: the next decode,
-        # and dropping late tokens
+    if isinstance(llm.loop, OverlapLoop):  # its own halves: the next decode, dropping late tokens
         timed(llm.loop, "_schedule_decode", "schedule")
         timed(llm.loop, "_postprocess", "postprocess")
     timed(StepOutput, "tolist", "wait")
