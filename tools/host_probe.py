@@ -33,9 +33,9 @@ def probe(seconds: float) -> dict:
         start, cpu = time.perf_counter(), time.thread_time()
         work()
         runs.append((time.perf_counter() - start, time.thread_time() - cpu))
-    median = statistics.median(wall for wall, _ in runs)
-    slow = [(wall, cpu) for wall, cpu in runs if wall > 2 * median]
     walls = sorted(wall for wall, _ in runs)
+    median = statistics.median(walls)
+    slow = [(wall, cpu) for wall, cpu in runs if wall > 2 * median]
     slow_wall = sum(wall for wall, _ in slow)
     return {"runs": len(runs), "median_ms": 1e3 * median, "max_ms": 1e3 * walls[-1],
             "p99_ms": 1e3 * walls[99 * len(walls) // 100], "slow_runs": len(slow),
