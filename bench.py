@@ -155,6 +155,11 @@ def make_text(name: str, texts: list[str], num_seqs: int, max_tokens: int,
     at EOS or max_tokens: what a user of the default model asks."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.chat_template is None:  # the random models' tokenizers have none
+        from nanoserve.weights import default_model_dir
+        raise SystemExit(f"the {name} workload needs a tokenizer with a chat template, and "
+                         f"{model_dir}'s has none: add --tokenizer {default_model_dir()} (the "
+                         "default model's)")
     prompts = [tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                        add_generation_prompt=True, return_dict=False)
                for text in (texts * num_seqs)[:num_seqs]]
@@ -894,6 +899,12 @@ def check_names(args: argparse.Namespace) -> list[str]:
                | (set(args.kv_cache_dtype.split(",")) - {"auto", "fp8"})
                | (set(args.speculative.split(",")) - {"off", "ngram"})
                | (set(args.guided.split(",")) - {"off", "one", "each"}))
+    sizes = {"--num-seqs": args.num_seqs, "--max-input-len": args.max_input_len,
+             "--max-output-len": args.max_output_len, "--max-num-seqs": args.max_num_seqs,
+             "--hf-batch-size": args.hf_batch_size, "--tp": args.tp}
+    if bad := [f"{flag} {v}" for flag, v in sizes.items() if v is not None and v < 1]:
+        raise SystemExit(f"{', '.join(bad)}: each must be at least 1 (leave one out for its "
+                         "default)")
     if unknown:
         raise SystemExit(f"unknown engine, workload, KV cache dtype, speculative method or guided "
                          f"mode {sorted(unknown)}: use --engines nanoserve,hf-cb,hf, --workload "
@@ -911,8 +922,9 @@ def describe_run(args: argparse.Namespace, cpu: bool) -> tuple[dict, str]:
     model_dir = resolve_model_dir(args, cpu)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     w_bytes, kv_bytes = weight_bytes(model_dir), kv_bytes_per_token(cfg)
+    hbm = "" if cpu else f", HBM bandwidth {fmt(bandwidth, '.3g')} B/s x {args.tp} GPU(s)"
     log(f"{hardware}\nmodel {model_dir}: {w_bytes / 1e9:.3f} GB of weights, {kv_bytes:,} KV "
-        f"bytes/token, HBM bandwidth {fmt(bandwidth, '.3g')} B/s x {args.tp} GPU(s)")
+        f"bytes/token{hbm}")
     shape = {k: cfg[k] for k in (*QWEN3_0_6B, "architectures", "dtype", "torch_dtype") if k in cfg}
     meta = {"command": " ".join(sys.argv), "hardware": hardware, "temperature": TEMPERATURE,
             "model": {"dir": model_dir, **shape, "weight_bytes": w_bytes,
@@ -968,6 +980,8 @@ def main(argv: list[str] | None = None) -> None:
         log(f"wrote {args.json}")
     if args.plot:
         plot([asdict(r) for r in rows], [meta], args.plot)
+    if failed := [r for r in rows if r.note.startswith("error")]:
+        raise SystemExit(f"{len(failed)} of {len(rows)} runs failed: their errors are above")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,26 @@ def test_text_workloads_are_greedy_chats_that_stop_at_eos():
     assert names == ["nanoserve", "nanoserve-ngram"]
 
 
+def test_bad_sizes_and_a_text_workload_without_chat_template_stop_before_any_run(tiny_model):
+    """A size of 0 is refused, not read as 'the default'; a chat workload on a model whose
+    tokenizer has no chat template names --tokenizer."""
+    with pytest.raises(SystemExit, match="--num-seqs 0, --tp 0: each must be at least 1"):
+        bench.check_names(bench.parse_args(["--num-seqs", "0", "--tp", "0"]))
+    args = argparse.Namespace(num_seqs=2, max_input_len=None, max_output_len=None,
+                              workload="chat")
+    with pytest.raises(SystemExit, match="needs a tokenizer with a chat template.*--tokenizer"):
+        bench.build_workloads(args, cpu=True, model_dir=tiny_model)
+
+
+def test_main_exits_nonzero_when_a_run_failed(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "resolve_model_dir", lambda args, cpu: tiny_model)
+    monkeypatch.setattr(bench, "run_engine", lambda name, *_: bench.Row(
+        "w1", name, 1, 1, note="error: RuntimeError: no GPU"))
+    with pytest.raises(SystemExit, match="1 of 1 runs failed"):
+        bench.main(["--tiny", "--cpu", "--engines", "nanoserve", "--workload", "w1",
+                    "--out", str(tmp_path / "b.json")])
+
+
 def test_kv_bytes_per_token_qwen3_0_6b():
     cfg = {**bench.QWEN3_0_6B, "dtype": "bfloat16"}
     assert bench.kv_bytes_per_token(cfg) == 2 * 28 * 8 * 128 * 2 == 114_688
