@@ -54,12 +54,12 @@ def _is_a(x: object, types: type | tuple[type, ...]) -> bool:
 
 # Config fields that count something (sequences, tokens, ranks): each at least 1
 SIZES = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "tensor_parallel_size",
-         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "kvcache_block_size")
 # the checks of Config's fields that hold on any machine (the GPU and the checkpoint add more)
 CONFIG_CHECKS: tuple[Check, ...] = (
-    *((name, lambda v: v >= 1, "at least 1") for name in SIZES),
-    ("kvcache_block_size", lambda v: v >= 1 and not v & (v - 1), "a power of two"),
-    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    *((name, lambda v: _is_a(v, int) and v >= 1, "an integer >= 1") for name in SIZES),
+    ("kvcache_block_size", lambda v: not v & (v - 1), "a power of two"),  # (and >= 1: SIZES)
+    ("gpu_memory_utilization", lambda v: _is_a(v, (int, float)) and 0 < v <= 1, "in (0, 1]"),
     ("dtype", lambda v: v == "auto" or v in DTYPES, f"'auto' or one of {list(DTYPES)}"),
     ("device", lambda v: v in ("auto", "cuda", "cpu"), "'auto', 'cuda' or 'cpu'"),
     ("kv_cache_dtype", lambda v: v in ("auto", "fp8"), "'auto' (the model's dtype) or 'fp8'"),
@@ -94,10 +94,10 @@ class Config:
     timeline: bool = False  # record every step for a picture of the run (LLM.timeline.plot)
 
     def __post_init__(self) -> None:
-        if not os.path.isdir(self.model):
-            raise OSError(f"model directory {self.model!r} does not exist: pass a Hugging Face "
-                          "layout directory (config.json + *.safetensors + tokenizer), or "
-                          "model=None for the default")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"{self.model!r} is no model directory (it has no config.json): pass "
+                             "a Hugging Face layout directory (config.json + *.safetensors + "
+                             "tokenizer), or model=None for the default")
         self.hf_config: PretrainedConfig = AutoConfig.from_pretrained(self.model)
         arch = (getattr(self.hf_config, "architectures", None) or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -134,8 +134,8 @@ class Config:
                                  f"{name}={getattr(cfg, name)}; pick a divisor of both head counts")
         # on the CPU a rank is just a process (gloo), so only GPUs bound the size
         if self.device == "cuda" and tp > (num_gpus := torch.cuda.device_count()):
-            raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_gpus} visible GPUs; "
-                             "lower it or expose more GPUs (CUDA_VISIBLE_DEVICES)")
+            raise ValueError(f"device='cuda', tensor_parallel_size={tp}: {num_gpus} GPUs are "
+                             "visible; lower it, expose more (CUDA_VISIBLE_DEVICES) or use 'cpu'")
 
     def check_kvcache_fits(self, num_blocks: int, block_bytes: int | None = None) -> None:
         """A KV cache must hold one sequence of max_model_len tokens, or requests could hang."""

@@ -214,8 +214,8 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         return self.scheduler.has_unfinished()
 
     def stream_step(self) -> list[RequestOutput]:
-        """Run one step; return what it added to each streamed request (new tokens, new text)."""
-        _, batch = self.step()  # every streamed request of the batch, finished or not
+        """Run one step (none when idle); return what it added to each streamed request."""
+        _, batch = self.step() if self.has_unfinished() else ([], Batch.decode([]))
         return [out for seq in batch.seqs if (out := self._stream_output(seq)) is not None]
 
     def stream(self, prompt: str | list[int],

@@ -26,7 +26,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise OSError(f"no *.safetensors files in {path}: nanoserve reads Hugging Face checkpoints")
+        raise ValueError(f"no *.safetensors files in {path}: pass a Hugging Face checkpoint")
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():

@@ -63,6 +63,7 @@ def test_text_stream_adds_up_to_the_decoded_text():
 def test_streamed_deltas_equal_the_generated_text(llm, prompts):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     streamed = stream_all(llm, prompts, GREEDY)
+    assert llm.stream_step() == []  # an idle engine runs no step
     assert any(ord(c) > 0x3000 for c in outs[2]["text"])  # the multi-byte case is exercised
     for out, parts in zip(outs, streamed):
         assert "".join(p.text for p in parts) == out["text"]

@@ -1,4 +1,4 @@
-"""Bad input raises ValueError (or OSError for a missing path) with a message that names the fix,
+"""Bad input raises ValueError with a message that names the fix,
 before anything is scheduled, and leaves the engine usable.
 
 SamplingParams and Config checks use a tmp directory with a small config.json (no weights). The
@@ -91,9 +91,17 @@ def test_auto_dtype_is_16_bit_on_a_gpu(model_dir, monkeypatch, checkpoint, bf16,
     assert cfg._resolve_dtype() == torch.float32
 
 
-def test_config_rejects_missing_model_path(tmp_path):
-    with pytest.raises(OSError, match="does not exist"):
-        Config(str(tmp_path / "no-such-model"), device="cpu")
+@pytest.mark.parametrize("name", ["no-such-model", "."])  # missing, and a directory without config
+def test_config_rejects_a_path_that_is_no_model(tmp_path, name):
+    with pytest.raises(ValueError, match="no model directory .* Hugging Face layout"):
+        Config(str(tmp_path / name), device="cpu")
+
+
+def test_cuda_without_a_gpu_names_the_cpu(model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    with pytest.raises(ValueError, match="0 GPUs are visible.*use 'cpu'"):
+        Config(model_dir, device="cuda")
 
 
 @pytest.mark.parametrize("architectures", [["MistralForCausalLM"], ["GPT2LMHeadModel"], None])
@@ -133,9 +141,15 @@ def test_config_rejects_bad_block_size(model_dir, block_size):
 
 @pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                    "tensor_parallel_size"])
-def test_config_rejects_non_positive_sizes(model_dir, field):
-    with pytest.raises(ValueError, match=field):
-        Config(model_dir, device="cpu", **{field: 0})
+@pytest.mark.parametrize("value", [0, 1.5, "4096", True])
+def test_config_rejects_sizes_that_are_no_positive_integer(model_dir, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be an integer >= 1"):
+        Config(model_dir, device="cpu", **{field: value})
+
+
+def test_config_rejects_a_memory_share_that_is_no_number(model_dir):
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        Config(model_dir, device="cpu", gpu_memory_utilization="0.9")
 
 
 # ---- requests, on a real engine ------------------------------------------------------------------
