@@ -244,13 +244,20 @@ def test_every_config_field_is_a_flag():
     assert "one of auto, float32, float16, bfloat16 (default: auto)" in help_text
     assert "tokens per KV block (the paging unit) (default: 16)" in help_text  # the comment
     args, settings = cli.parse_args(["--device", "cpu", "--no-enable-prefix-caching",
-                                     "--tensor-parallel-size", "2", "--enforce-eager",
-                                     "--num-kvcache-blocks", "64", "--dtype", "bfloat16"])
-    assert settings == {"device": "cpu", "enable_prefix_caching": False, "tensor_parallel_size": 2,
-                        "enforce_eager": True, "num_kvcache_blocks": 64, "dtype": "bfloat16"}
+                                     "--tensor-parallel-size", "3", "--enforce-eager",
+                                     "--num-kvcache-blocks", "256", "--dtype", "bfloat16"])
+    assert settings == {"device": "cpu", "enable_prefix_caching": False, "tensor_parallel_size": 3,
+                        "enforce_eager": True, "num_kvcache_blocks": 256, "dtype": "bfloat16"}
     assert args.port == cli.DEFAULT_PORT and cli.parse_args([])[1] == {}  # Config's defaults
-    with pytest.raises(SystemExit):  # refused before the model loads
-        cli.parse_args(["--dtype", "float64"])
+    # refused before any replica starts, each in one line that names the fix
+    for argv, message in ((["--dtype", "float64"], "invalid choice: 'float64'"),
+                          (["--log-level", "loud"], "invalid choice: 'loud'"),
+                          (["--max-model-len", "0"], "max_model_len must be an integer >= 1"),
+                          (["--kv-cache-dtype", "fp4"], "kv_cache_dtype must be 'auto'"),
+                          (["--model", "/no/such/model"], "is no model directory")):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+            cli.parse_args(argv)
+        assert "error: " in err.getvalue() and message in err.getvalue(), argv
 
 
 def cli_help() -> str:

@@ -7,6 +7,4 @@ engine_core.py (a replica's process around the engine), protocol.py (the OpenAI 
 metrics.py (GET /metrics). `python -m nanoserve.server --help` lists the flags; docs/serving.md is
 the chapter.
 """
-from nanoserve.server.app import build_app
-
-__all__ = ["build_app"]
+from nanoserve.server.app import build_app as build_app  # the package's one export

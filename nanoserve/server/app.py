@@ -236,8 +236,7 @@ class ChatCompletion(Completion):
         logprobs = None
         if self.k is not None and delta.logprobs is not None:
             logprobs = chat_logprobs(self.tokenizer, delta, self.k)
-        message = {"content": delta.text} if chunk else {"role": "assistant",
-                                                          "content": delta.text}
+        message = {"content": delta.text} if chunk else {"role": "assistant", "content": delta.text}
         return {"index": 0, "delta" if chunk else "message": message, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
 

@@ -40,7 +40,7 @@ SHUTDOWN_TIMEOUT_S = 30  # how long in-flight requests may run on after SIGTERM
 
 # ---- engine settings as flags -------------------------------------------------------------------
 # Values a flag accepts beyond what its type says, checked before the model loads.
-CHOICES = {"dtype": ("auto", *DTYPES)}
+CHOICES = {"dtype": ("auto", *DTYPES), "log_level": ("error", "warning", "info", "debug")}
 
 
 def field_help(cls: type, name: str) -> str:
@@ -136,8 +136,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, dict]:
     config = parser.add_argument_group("engine settings (nanoserve.config.Config)")
     names = add_config_flags(config, Config, skip=("model",))  # --model is the server's own
     args = vars(parser.parse_args(argv))
-    return (ServerArgs(**{k: v for k, v in args.items() if k in own}),
-            {k: v for k, v in args.items() if k in names})
+    settings = {k: v for k, v in args.items() if k in names}
+    try:  # the engine's own checks, on the CPU (no GPU touched), before any replica starts
+        Config(args.get("model") or default_model_dir(), **{**settings, "device": "cpu"})
+    except ValueError as e:
+        parser.error(str(e))
+    return ServerArgs(**{k: v for k, v in args.items() if k in own}), settings
 
 
 def exit_quietly(signum: int, frame: object) -> None:
