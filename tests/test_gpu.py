@@ -24,8 +24,8 @@ LOGPROB_TOL = 0.5
 # nanoserve against itself: split counts, padding, chunking, TP reductions and cascade attention
 # change only the bf16 rounding (up to ~0.15: cascade vs plain decode, 40 seqs, qwen3 shape)
 SAME_ENGINE_TOL = 0.25
-# nats: an fp8 KV cache against bf16's, mean over agreeing tokens (0.12-0.16 measured; a bug costs
-# whole nats)
+# nats: an fp8 KV cache against bf16's, mean over agreeing tokens (measured: docs/fp8_cache.md,
+# Accuracy); a bug costs whole nats
 FP8_MEAN_LOGPROB_TOL = 0.4
 SHAPES = {
     "qwen3": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
@@ -196,8 +196,8 @@ def test_fp8_kv_cache_close_to_bf16(model_dir):
     cached K/V), cascade decode (40 sequences share 6 blocks) and CUDA graphs: twice the blocks in
     the same memory, and logprobs close along the tokens where both runs agree. These random
     models part at near-ties within a few tokens, so the check is the mean |delta logprob| of the
-    sampled tokens: 0.12-0.16 for both shapes (tools/fp8_accuracy.py, also on the CPU reference
-    path); a cache stored or read wrongly moves logprobs by whole nats."""
+    sampled tokens (the measured means: docs/fp8_cache.md, Accuracy); a cache stored or read
+    wrongly moves logprobs by whole nats."""
     system = prompts(n=1, seed=2)[0][:5] * 20  # 100 shared tokens: 6 full blocks of 16
     shared = [system + t[:40] for t in prompts(n=41, seed=9)]
     results, blocks = {}, {}
