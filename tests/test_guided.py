@@ -147,8 +147,9 @@ def test_cut_by_max_tokens_is_length(llm, chat):
     ({"regex": "(["}, "bad guided_decoding regex: Regex parsing error at position 3"),
     ({"grammar": "root ::= foo"}, 'bad guided_decoding grammar: EBNF parser error at line 1, '
                                   'column 10: Rule "foo" is not defined'),
-    ({"choice": "ab"}, "choice must be a list of non-empty strings"),
-    ({"choice": ["a", ""]}, "choice must be a list of non-empty strings"),
+    ({"choice": "ab"}, "choice must list 1+ non-empty strings"),
+    ({"choice": ["a", ""]}, "choice must list 1+ non-empty strings"),
+    ({"choice": []}, "choice must list 1+ non-empty strings"),
 ])
 def test_bad_constraints_raise_a_value_error(constraint, reason):
     with pytest.raises(ValueError, match=re.escape(reason)):

@@ -61,9 +61,9 @@ class GuidedDecodingParams:
             raise ValueError("GuidedDecodingParams takes exactly one of json, regex, choice, "
                              f"grammar, json_object; got {given or 'none'}")
         if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) and c
-                                                       for c in self.choice):
-                raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+            if isinstance(self.choice, str) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"choice must list 1+ non-empty strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         parse(*self.source)  # a bad schema, regex or grammar raises here
 
