@@ -31,14 +31,18 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the KV cache: the model's dtype, or float8 e4m3 (half the bytes)")
     args = parser.parse_args()
+    try:  # a bad value (a negative temperature, a missing model) ends here, in one line
+        params = SamplingParams(temperature=args.temperature, top_p=0.95,
+                                max_tokens=args.max_tokens)
+        llm = LLM(args.model, trace=args.trace, timeline=args.timeline is not None,
+                  kv_cache_dtype=args.kv_cache_dtype)
+    except ValueError as e:
+        parser.error(str(e))
 
-    with LLM(args.model, trace=args.trace, timeline=args.timeline is not None,
-             kv_cache_dtype=args.kv_cache_dtype) as llm:
+    with llm:
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    tokenize=False, add_generation_prompt=True)
                  for p in PROMPTS]
-        params = SamplingParams(temperature=args.temperature, top_p=0.95,
-                                max_tokens=args.max_tokens)
         outputs = llm.generate(chats, params)
         if args.timeline:
             llm.timeline.plot(args.timeline)

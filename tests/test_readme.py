@@ -84,6 +84,18 @@ def test_readme_commands_start_and_write_nothing(command: list[str]) -> None:
     assert _porcelain(git) == before
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    (["--temperature", "-1"], "temperature must be a real number >= 0"),
+    (["--model", "/no/such/model"], "is no model directory")])
+def test_example_refuses_bad_values_in_one_line(flags: list[str], message: str) -> None:
+    """A bad value ends example.py with argparse's one-line error (exit 2), not a traceback."""
+    result = subprocess.run([sys.executable, "example.py", *flags], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=_cpu_env())
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "example.py: error: " in result.stderr and message in result.stderr
+
+
 def _porcelain(git: str) -> str:
     return subprocess.run([git, "status", "--porcelain"], cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout
