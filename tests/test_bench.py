@@ -80,7 +80,9 @@ def test_bad_sizes_and_a_text_workload_without_chat_template_stop_before_any_run
         bench.build_workloads(args, cpu=True, model_dir=tiny_model)
 
 
-def test_main_exits_nonzero_when_a_run_failed(tiny_model, monkeypatch, tmp_path):
+def test_main_exits_nonzero_when_a_run_failed(tiny_model, monkeypatch, tmp_path, request):
+    logger = logging.getLogger("nanoserve")  # bench.main turns its INFO lines on: for this test
+    request.addfinalizer(functools.partial(logger.setLevel, logger.level))
     monkeypatch.setattr(bench, "resolve_model_dir", lambda args, cpu: tiny_model)
     monkeypatch.setattr(bench, "run_engine", lambda name, *_: bench.Row(
         "w1", name, 1, 1, note="error: RuntimeError: no GPU"))
