@@ -230,6 +230,9 @@ def resolve_model_dir(args: argparse.Namespace, cpu: bool) -> str:
 
 def model_weights_dir(args: argparse.Namespace, cpu: bool) -> str:
     if args.model and args.model != "default":
+        if not (Path(args.model) / "config.json").is_file():
+            raise SystemExit(f"--model {args.model} is no model directory (it has no config.json): "
+                             "pass a Hugging Face layout directory, or `default`")
         return args.model
     cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
     if args.tiny:
@@ -865,7 +868,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", metavar="DIR",
                    help="run the model with this directory's tokenizer files: --guided needs one "
                         "of real text (the random Qwen3's names its tokens <i>, which no grammar "
-                        "accepts), e.g. the default model's")
+                        "accepts) and edit and chat one with a chat template, e.g. the default "
+                        "model's")
     p.add_argument("--cpu", action="store_true", help="CPU mode (automatic without CUDA)")
     p.add_argument("--eager", action="store_true", help="nanoserve without CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="nanoserve tensor-parallel size")

@@ -78,6 +78,8 @@ def test_bad_sizes_and_a_text_workload_without_chat_template_stop_before_any_run
                               workload="chat")
     with pytest.raises(SystemExit, match="needs a tokenizer with a chat template.*--tokenizer"):
         bench.build_workloads(args, cpu=True, model_dir=tiny_model)
+    with pytest.raises(SystemExit, match="--model /no/such/model is no model directory"):
+        bench.model_weights_dir(bench.parse_args(["--model", "/no/such/model"]), cpu=True)
 
 
 def test_main_exits_nonzero_when_a_run_failed(tiny_model, monkeypatch, tmp_path, request):
