@@ -539,7 +539,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     first, _ = p.parse_known_args(argv)
     if first.preset:  # the preset's values become defaults: flags given still win
         p.set_defaults(**PRESETS[first.preset])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_lengths(p, args)
+    return args
+
+
+def check_lengths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop before any server starts on a count below 1 or, with random prompts, a length range
+    whose minimum passes its maximum (a preset sets both ends: lowering one may need the other)."""
+    if args.num_prompts < 1:
+        p.error(f"--num-prompts {args.num_prompts}: give at least 1")
+    ranges = {"--min-input-len / --max-input-len": (args.min_input_len, args.max_input_len),
+              "--min-output-len / --max-output-len": (args.min_output_len, args.max_output_len)}
+    if args.rate_max_output_len is not None:
+        ranges["--min-output-len / --rate-max-output-len"] = (args.min_output_len,
+                                                              args.rate_max_output_len)
+    bad = [f"{flags} {low} / {high}" for flags, (low, high) in ranges.items()
+           if not 1 <= low <= high]
+    if args.workload == "random" and bad:
+        p.error(f"{'; '.join(bad)}: each range needs 1 <= min <= max (lower the minimum too)")
 
 
 def resolve_model(args: argparse.Namespace, device: str) -> str:

@@ -126,6 +126,18 @@ def test_presets_write_into_results_not_docs(monkeypatch):
         "results/serving.png", "results/serving_cpu.json", "results/serving_h100.json"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "cpu", "--max-output-len", "16"],
+     "--min-output-len / --max-output-len 32 / 16: each range needs 1 <= min <= max"),
+    (["--min-input-len", "0"], "--min-input-len / --max-input-len 0 / 1024"),
+    (["--rate-max-output-len", "50"], "--min-output-len / --rate-max-output-len 100 / 50"),
+    (["--num-prompts", "0"], "--num-prompts 0: give at least 1")])
+def test_bad_lengths_stop_before_any_server_starts(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_preset_help_lists_each_preset(capsys):
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--help"])
