@@ -5,7 +5,8 @@ setting is a server flag at once; a flag left out keeps Config's default. The AP
 --data-parallel-size engine-core processes (engine_core.py), each on GPUs of its own, or fewer
 (--data-parallel-size-local) and waits for the others to connect: `--headless` runs one replica
 alone, on this machine or another, connecting to the API server's --data-parallel-address and
---data-parallel-rpc-port. Every replica loads before the port opens, so a client can poll
+--data-parallel-rpc-port. The engine's checks run on the parsed flags (a Config built on the
+CPU), so a bad value stops there; every replica loads before the port opens, so a client can poll
 GET /health. SIGTERM or SIGINT: uvicorn stops accepting, lets in-flight requests finish (up to
 --shutdown-timeout, then ends them), the lifespan stops the replicas, and the process exits 0.
 """
