@@ -896,24 +896,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_names(args: argparse.Namespace) -> list[str]:
-    """The engines asked for; unknown engine or workload names stop the run before it starts."""
+    """The engines asked for; unknown names, or sizes below 1, stop the run before it starts."""
     engines = args.engines.split(",")
     unknown = ((set(engines) - set(ENGINES))
                | (set(args.workload.split(",")) - {"w1", "w2", "edit", "chat"})
                | (set(args.kv_cache_dtype.split(",")) - {"auto", "fp8"})
                | (set(args.speculative.split(",")) - {"off", "ngram"})
                | (set(args.guided.split(",")) - {"off", "one", "each"}))
+    if unknown:
+        raise SystemExit(f"unknown engine, workload, KV cache dtype, speculative method or guided "
+                         f"mode {sorted(unknown)}: use --engines nanoserve,hf-cb,hf, --workload "
+                         "w1,w2,edit,chat, --kv-cache-dtype auto,fp8, --speculative off,ngram and "
+                         "--guided off,one,each")
     sizes = {"--num-seqs": args.num_seqs, "--max-input-len": args.max_input_len,
              "--max-output-len": args.max_output_len, "--max-num-seqs": args.max_num_seqs,
              "--hf-batch-size": args.hf_batch_size, "--tp": args.tp}
     if bad := [f"{flag} {v}" for flag, v in sizes.items() if v is not None and v < 1]:
         raise SystemExit(f"{', '.join(bad)}: each must be at least 1 (leave one out for its "
                          "default)")
-    if unknown:
-        raise SystemExit(f"unknown engine, workload, KV cache dtype, speculative method or guided "
-                         f"mode {sorted(unknown)}: use --engines nanoserve,hf-cb,hf, --workload "
-                         "w1,w2,edit,chat, --kv-cache-dtype auto,fp8, --speculative off,ngram and "
-                         "--guided off,one,each")
     return engines
 
 

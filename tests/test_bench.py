@@ -3,7 +3,6 @@ GPU sample summary, the chart, the timing loop with a fake engine, and a smoke r
 on a tiny random Qwen3 (seconds on a CPU)."""
 import argparse
 import contextlib
-import functools
 import json
 import logging
 import random
@@ -20,6 +19,15 @@ import bench  # noqa: E402
 import bench_utils  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def main_logging() -> Iterator[None]:
+    """bench.main turns nanoserve's INFO lines on for its process: here, for one test only."""
+    logger = logging.getLogger("nanoserve")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 def test_w1_is_nano_vllms_workload():
@@ -82,9 +90,7 @@ def test_bad_sizes_and_a_text_workload_without_chat_template_stop_before_any_run
         bench.model_weights_dir(bench.parse_args(["--model", "/no/such/model"]), cpu=True)
 
 
-def test_main_exits_nonzero_when_a_run_failed(tiny_model, monkeypatch, tmp_path, request):
-    logger = logging.getLogger("nanoserve")  # bench.main turns its INFO lines on: for this test
-    request.addfinalizer(functools.partial(logger.setLevel, logger.level))
+def test_main_exits_nonzero_when_a_run_failed(tiny_model, monkeypatch, tmp_path, main_logging):
     monkeypatch.setattr(bench, "resolve_model_dir", lambda args, cpu: tiny_model)
     monkeypatch.setattr(bench, "run_engine", lambda name, *_: bench.Row(
         "w1", name, 1, 1, note="error: RuntimeError: no GPU"))
@@ -328,12 +334,9 @@ def repo_unchanged(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
             path.unlink()
 
 
-def test_bench_writes_into_results_not_docs(tiny_model, monkeypatch, request):
+def test_bench_writes_into_results_not_docs(tiny_model, monkeypatch, main_logging):
     """A smoke run and a redraw with no output path: results/, never docs/ or a tracked file."""
     monkeypatch.setattr(bench, "resolve_model_dir", lambda args, cpu: tiny_model)
-    # bench.main turns nanoserve's INFO lines on for its process: here, for this test only
-    logger = logging.getLogger("nanoserve")
-    request.addfinalizer(functools.partial(logger.setLevel, logger.level))
     with repo_unchanged(monkeypatch) as written:
         bench.main(["--tiny", "--cpu", "--engines", "nanoserve", "--workload", "w2",
                     "--num-seqs", "2", "--max-input-len", "16", "--max-output-len", "2"])
