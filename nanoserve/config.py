@@ -9,7 +9,7 @@ Called by: llm_engine (builds both), scheduler, block_manager and model_runner (
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import ModuleType
 
 import torch
@@ -41,8 +41,10 @@ Check = tuple[str, Callable[..., bool], str]
 
 
 def check_fields(obj: object, checks: tuple[Check, ...]) -> None:
-    """Raise a ValueError for the first field of obj whose value fails its check."""
-    for name, is_valid, must_be in checks:
+    """Raise a ValueError for the first field of obj whose value fails its check. A field typed
+    bool takes True or False only: a string such as "no" would count as true."""
+    flags = [(f.name, lambda v: type(v) is bool, "a bool") for f in fields(obj) if f.type is bool]
+    for name, is_valid, must_be in (*flags, *checks):
         if not is_valid(value := getattr(obj, name)):
             raise ValueError(f"{name} must be {must_be}, got {value!r}")
 

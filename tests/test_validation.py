@@ -36,6 +36,8 @@ from nanoserve.config import Config
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(temperature="1"), "temperature must be a real number"),
     (dict(top_p=None), "top_p must be a real number"),
+    (dict(ignore_eos="no"), "ignore_eos must be a bool, got 'no'"),  # "no" would count as true
+    (dict(ignore_eos=1), "ignore_eos must be a bool"),
 ])
 def test_sampling_params_rejects(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -144,6 +146,15 @@ def test_config_rejects_bad_block_size(model_dir, block_size):
 @pytest.mark.parametrize("value", [0, 1.5, "4096", True])
 def test_config_rejects_sizes_that_are_no_positive_integer(model_dir, field, value):
     with pytest.raises(ValueError, match=f"{field} must be an integer >= 1"):
+        Config(model_dir, device="cpu", **{field: value})
+
+
+@pytest.mark.parametrize("field", ["enable_prefix_caching", "enforce_eager", "overlap_scheduling",
+                                   "cascade_attention", "fused_kernels", "prefill_graphs", "trace",
+                                   "timeline"])
+@pytest.mark.parametrize("value", ["no", 0, None])  # "no" would count as true, 0 and None as false
+def test_config_rejects_switches_that_are_no_bool(model_dir, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a bool, got {value!r}"):
         Config(model_dir, device="cpu", **{field: value})
 
 

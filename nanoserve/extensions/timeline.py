@@ -125,8 +125,7 @@ class Timeline(StepObserver):
         """Draw the run and save it to path (the format by its suffix); return the figure. On top
         a cell per request and step, a star on each prefix-cache hit, a bar at each finish; below
         it, per step as stairs: KV blocks in use, tokens (prefill, decode), batch size, waiting."""
-        rows, grid = self.grid()  # (R, T)
-        c = self.config
+        (rows, grid), c = self.grid(), self.config  # grid: (R, T)
         height = min(9.0, max(2.5, 0.3 * len(rows)))  # of the requests' panel, in inches
         fig = figure.Figure(figsize=(13, height + 5), layout="constrained")
         ax, kv, tok, bs = fig.subplots(4, 1, sharex=True, height_ratios=[height, 1, 1, 1])
