@@ -76,8 +76,8 @@ def free_port() -> int:
 
 def start_server(*flags: str, tries: int = 3) -> Server:
     """`python -m nanoserve.server` on a free port, once GET /health answers. The server binds
-    the port seconds after it was found free (it loads the model first), and a client's own
-    connection may take it meanwhile: then it starts again on another port."""
+    the port a few seconds after it was found free (once Python and torch have loaded), and a
+    client's own connection may take it meanwhile: then it starts again on another port."""
     port, log = free_port(), Path(tempfile.mkdtemp()) / "server.log"
     cmd = [sys.executable, "-m", "nanoserve.server", "--port", str(port), "--api-key", API_KEY,
            "--device", "cpu", "--log-level", "warning", *flags]
@@ -86,7 +86,7 @@ def start_server(*flags: str, tries: int = 3) -> Server:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        if proc.poll() is not None and "address already in use" in log.read_text() and tries > 1:
+        if proc.poll() is not None and "cannot serve on" in log.read_text() and tries > 1:
             return start_server(*flags, tries=tries - 1)
         assert proc.poll() is None, f"the server exited at start:\n{log.read_text()}"
         assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
@@ -252,12 +252,26 @@ def test_every_config_field_is_a_flag():
     # refused before any replica starts, each in one line that names the fix
     for argv, message in ((["--dtype", "float64"], "invalid choice: 'float64'"),
                           (["--log-level", "loud"], "invalid choice: 'loud'"),
+                          (["--device", "gpu"], "invalid choice: 'gpu'"),
                           (["--max-model-len", "0"], "max_model_len must be an integer >= 1"),
                           (["--kv-cache-dtype", "fp4"], "kv_cache_dtype must be 'auto'"),
                           (["--model", "/no/such/model"], "is no model directory")):
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
             cli.parse_args(argv)
         assert "error: " in err.getvalue() and message in err.getvalue(), argv
+
+
+def test_a_busy_port_fails_before_any_replica_starts(monkeypatch):
+    """The HTTP port is bound before the replicas are built: a busy one fails in one line that
+    names the fix, not after every replica has loaded the model."""
+    monkeypatch.setattr(cli, "replica_processes", lambda *args: pytest.fail("a replica was built"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"cannot serve on 127\.0\.0\.1:{port} \(.+\): "
+                                             "pick another --port"):
+            cli.main(["--port", str(port), "--device", "cpu"])
 
 
 def cli_help() -> str:

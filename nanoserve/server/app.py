@@ -50,9 +50,8 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None = None)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if down := [r.rank for r in client.replicas if not r.up]:
-            error = OpenAIError(503, f"engine replicas {down} of {len(client.replicas)} are down")
-            return JSONResponse(error.body(), status_code=503)
+        if down := [r.rank for r in client.replicas if not r.up]:  # a 503 in OpenAI's shape
+            raise OpenAIError(503, f"engine replicas {down} of {len(client.replicas)} are down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -6,9 +6,10 @@ setting is a server flag at once; a flag left out keeps Config's default. The AP
 (--data-parallel-size-local) and waits for the others to connect: `--headless` runs one replica
 alone, on this machine or another, connecting to the API server's --data-parallel-address and
 --data-parallel-rpc-port. The engine's checks run on the parsed flags (a Config built on the
-CPU), so a bad value stops there; every replica loads before the port opens, so a client can poll
-GET /health. SIGTERM or SIGINT: uvicorn stops accepting, lets in-flight requests finish (up to
---shutdown-timeout, then ends them), the lifespan stops the replicas, and the process exits 0.
+CPU), so a bad value stops there; the HTTP port is bound next (a busy one stops there too) and
+listens once every replica has loaded, so a client can poll GET /health. SIGTERM or SIGINT:
+uvicorn stops accepting, lets in-flight requests finish (up to --shutdown-timeout, then ends
+them), the lifespan stops the replicas, and the process exits 0.
 """
 import argparse
 import json
@@ -40,8 +41,10 @@ SHUTDOWN_TIMEOUT_S = 30  # how long in-flight requests may run on after SIGTERM
 
 
 # ---- engine settings as flags -------------------------------------------------------------------
-# Values a flag accepts beyond what its type says, checked before the model loads.
-CHOICES = {"dtype": ("auto", *DTYPES), "log_level": ("error", "warning", "info", "debug")}
+# Values a flag accepts beyond what its type says, checked before the model loads. (The device is
+# listed here: the pre-start Config check runs on the CPU, whatever --device says.)
+CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cuda", "cpu"),
+           "log_level": ("error", "warning", "info", "debug")}
 
 
 def field_help(cls: type, name: str) -> str:
@@ -184,6 +187,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.headless:
         engine_core.run(address, args.data_parallel_rank, args.model, settings, headless=True)
         return
+    # the HTTP port, bound before any replica loads: a busy one fails now; uvicorn listens on it
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own socket
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise SystemExit(f"cannot serve on {args.host}:{args.port} ({e.strerror}): pick another "
+                         "--port") from None
     model = args.model or default_model_dir()  # the default model, converted here once
     processes = replica_processes(args, model, settings, address)
     client = EngineClient(AutoTokenizer.from_pretrained(model), address, processes, Metrics())
@@ -192,6 +203,6 @@ def main(argv: list[str] | None = None) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, exit_quietly)
     logging.getLogger("nanoserve.server").info(
-        f"serving {model} as '{name}' with {args.data_parallel_size} replica(s)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+        f"serving {model} as '{name}' at http://{args.host}:{args.port} once the replicas are up")
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                  timeout_graceful_shutdown=args.shutdown_timeout)).run([sock])

@@ -28,7 +28,7 @@ class TokenStream(TextStream):
     """A streamed request's outputs without text: the API server detokenizes."""
 
     def update(self, token_ids: list[int], finished: bool) -> None:
-        pass
+        """Nothing to decode here."""
 
 
 @dataclass

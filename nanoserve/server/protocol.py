@@ -9,6 +9,7 @@ extras.
 import time
 import uuid
 from dataclasses import dataclass, field, fields
+from itertools import accumulate
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -44,8 +45,7 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 def field_at_fault(message: str) -> str | None:
     """The SamplingParams field a refusal starts with ("temperature must be ..."), if any."""
-    first = message.split(" ", 1)[0]
-    return first if first in SAMPLING_FIELDS else None
+    return next((name for name in SAMPLING_FIELDS if message.startswith(name + " ")), None)
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -229,11 +229,8 @@ class ResponseHead:
 
     def wrap(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict:
         obj = "chat.completion.chunk" if chunk and self.object == "chat.completion" else self.object
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return body
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices} | ({} if usage is None else {"usage": usage})
 
 
 def top_k_items(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -245,10 +242,7 @@ def completion_logprobs(tokenizer: PreTrainedTokenizerBase, delta: Delta, k: int
                         text_offset: int) -> dict:
     """The legacy completions shape: parallel lists, top_logprobs keyed by token text."""
     tokens = [tokenizer.decode([t]) for t in delta.token_ids]
-    offsets, pos = [], text_offset
-    for token in tokens:
-        offsets.append(pos)
-        pos += len(token)
+    offsets = list(accumulate(map(len, tokens), initial=text_offset))[:-1]  # each token's start
     return {"tokens": tokens,
             "token_logprobs": [lp[t] for t, lp in zip(delta.token_ids, delta.logprobs)],
             "top_logprobs": [{tokenizer.decode([i]): v for i, v in top_k_items(lp, k)}
