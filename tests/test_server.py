@@ -313,14 +313,18 @@ def test_flags_follow_any_dataclass():
 
 
 # ---- faults ------------------------------------------------------------------------------------
-BAD_REQUESTS = [  # the request, the error the client raises, words of the message, the `param`
-    (dict(prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature", "temperature"),
-    (dict(prompt=""), openai.BadRequestError, "empty prompt", "prompt"),
-    (dict(prompt=[10**9]), openai.BadRequestError, "vocabulary", "prompt"),
-    (dict(prompt=PROMPT, max_tokens=10**5), openai.BadRequestError, "max_model_len", "prompt"),
-    (dict(prompt=PROMPT, max_tokens=0), openai.BadRequestError, "max_tokens", "max_tokens"),
-    (dict(prompt=PROMPT, logprobs=99), openai.BadRequestError, "logprobs", "logprobs"),
-    (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL, "model"),
+BAD_REQUESTS = [  # the request, the error the client raises, words of the message, param, code
+    (dict(prompt=PROMPT, temperature=-1), openai.BadRequestError, "temperature", "temperature",
+     "invalid_value"),
+    (dict(prompt=""), openai.BadRequestError, "empty prompt", "prompt", "invalid_value"),
+    (dict(prompt=[10**9]), openai.BadRequestError, "vocabulary", "prompt", "invalid_value"),
+    (dict(prompt=PROMPT, max_tokens=10**5), openai.BadRequestError, "max_model_len", "prompt",
+     "context_length_exceeded"),
+    (dict(prompt=PROMPT, max_tokens=0), openai.BadRequestError, "max_tokens", "max_tokens",
+     "invalid_value"),
+    (dict(prompt=PROMPT, logprobs=99), openai.BadRequestError, "logprobs", "logprobs",
+     "invalid_value"),
+    (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL, "model", "model_not_found"),
 ]
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -334,11 +338,12 @@ def assert_openai_error(error: dict, param: str | None) -> None:
 
 def test_bad_input_gets_an_openai_error(server):
     client = server.client()
-    for kwargs, error, words, param in BAD_REQUESTS:
+    for kwargs, error, words, param, code in BAD_REQUESTS:
         with pytest.raises(error) as e:
             client.completions.create(**{"model": MODEL, "max_tokens": 4, **kwargs})
         assert words in e.value.body["message"] and e.value.body["type"].endswith("error"), kwargs
         assert_openai_error(e.value.body, param)
+        assert e.value.body["code"] == code, kwargs
     with pytest.raises(openai.BadRequestError, match="messages") as e:
         client.chat.completions.create(model=MODEL, messages=[])
     assert_openai_error(e.value.body, "messages")

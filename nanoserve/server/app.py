@@ -193,8 +193,9 @@ async def submit(client: EngineClient, prompt: str | list[int], params: Sampling
         prompt = client.tokenizer.encode(prompt)
     try:
         return await client.submit(prompt, params)
-    except ValueError as e:
-        raise OpenAIError(400, str(e), body.prompt_param) from e
+    except ValueError as e:  # a prompt too long for the context gets OpenAI's code for it
+        code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
+        raise OpenAIError(400, str(e), body.prompt_param, code) from e
 
 
 def room_left(max_model_len: int, prompt: list[int]) -> int:
@@ -225,7 +226,7 @@ class Completion:
                 "finish_reason": delta.finish_reason}
 
     def first_chunk(self) -> dict | None:
-        return None
+        """None: a completion stream opens with its first delta."""
 
 
 class ChatCompletion(Completion):
