@@ -188,21 +188,21 @@ def main(argv: list[str] | None = None) -> None:
         engine_core.run(address, args.data_parallel_rank, args.model, settings, headless=True)
         return
     # the HTTP port, bound before any replica loads: a busy one fails now; uvicorn listens on it
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own socket
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        raise SystemExit(f"cannot serve on {args.host}:{args.port} ({e.strerror}): pick another "
-                         "--port") from None
-    model = args.model or default_model_dir()  # the default model, converted here once
-    processes = replica_processes(args, model, settings, address)
-    client = EngineClient(AutoTokenizer.from_pretrained(model), address, processes, Metrics())
-    name = args.served_model_name or os.path.basename(os.path.normpath(model))
-    app = build_app(client, name, args.api_key)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, exit_quietly)
-    logging.getLogger("nanoserve.server").info(
-        f"serving {model} as '{name}' at http://{args.host}:{args.port} once the replicas are up")
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                  timeout_graceful_shutdown=args.shutdown_timeout)).run([sock])
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own socket
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            raise SystemExit(f"cannot serve on {args.host}:{args.port} ({e.strerror}): pick "
+                             "another --port") from None
+        model = args.model or default_model_dir()  # the default model, converted here once
+        processes = replica_processes(args, model, settings, address)
+        client = EngineClient(AutoTokenizer.from_pretrained(model), address, processes, Metrics())
+        name = args.served_model_name or os.path.basename(os.path.normpath(model))
+        app = build_app(client, name, args.api_key)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, exit_quietly)
+        logging.getLogger("nanoserve.server").info(
+            f"serving {model} as '{name}' at http://{args.host}:{args.port} once replicas are up")
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                      timeout_graceful_shutdown=args.shutdown_timeout)).run([sock])
