@@ -365,6 +365,11 @@ def test_bad_input_gets_an_openai_error(server):
     ({"model": MODEL}, "prompt", "missing_required_parameter"),
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": "many"}, "max_tokens", "invalid_type"),
     ({"model": MODEL, "prompt": PROMPT, "temperature": [1]}, "temperature", "invalid_type"),
+    # strict, as OpenAI: a number or a bool in a string is refused, not read
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": "3"}, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": PROMPT, "stream": "yes"}, "stream", "invalid_type"),
+    ({"model": MODEL, "prompt": PROMPT, "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "invalid_type"),
 ])
 def test_validation_error_is_a_400_naming_the_field(server, body, param, code):
     """FastAPI's 422 {"detail": [...]} becomes OpenAI's 400 with the field as `param`."""

@@ -49,14 +49,19 @@ def field_at_fault(message: str) -> str | None:
 
 
 # ---- requests ----------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """A request model: values of the wrong JSON type are refused ("max_tokens": "3" is a 400, as
+    OpenAI answers), not coerced; unknown fields are ignored."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk as well
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Strict):
     """The fields /v1/completions and /v1/chat/completions share; None means the default."""
-    model_config = ConfigDict(extra="ignore")
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -142,13 +147,12 @@ class CompletionRequest(SamplingRequest):
         return prompt
 
 
-class ContentPart(BaseModel):
+class ContentPart(Strict):
     type: str
     text: str = ""
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Strict):
     role: str
     content: str | list[ContentPart] | None = None
 
