@@ -351,6 +351,11 @@ def test_bad_input_gets_an_openai_error(server):
         client.chat.completions.create(messages=QUESTION, logprobs=True, top_logprobs=99,
                                        **GREEDY)
     assert_openai_error(e.value.body, "top_logprobs")
+    assert e.value.body["message"].startswith("top_logprobs must be")  # the request's name
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's newer name for max_tokens
+        client.chat.completions.create(messages=QUESTION, model=MODEL, max_completion_tokens=0)
+    assert_openai_error(e.value.body, "max_completion_tokens")
+    assert e.value.body["message"].startswith("max_completion_tokens must be an integer >= 1")
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "', headers=headers)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

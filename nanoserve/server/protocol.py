@@ -100,7 +100,9 @@ class SamplingRequest(Strict):
                 logprobs=logprobs, guided_decoding=self.guided_decoding())
         except ValueError as e:  # SamplingParams' checks name the field first
             name = field_at_fault(str(e))
-            raise OpenAIError(400, str(e), self.param_name(name), "invalid_value") from e
+            param = self.param_name(name)  # the message names the request's field
+            message = str(e) if name is None else param + str(e)[len(name):]
+            raise OpenAIError(400, message, param, "invalid_value") from e
 
     def param_name(self, name: str | None) -> str | None:
         """The request field behind a SamplingParams field (they differ in chat)."""
@@ -175,11 +177,9 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def param_name(self, name: str | None) -> str | None:
-        if name == "logprobs":  # chat's k is top_logprobs
-            return "top_logprobs"
-        if name == "max_tokens" and self.max_completion_tokens is not None:
-            return "max_completion_tokens"
-        return name
+        # chat's k is top_logprobs; its max_tokens may come as OpenAI's newer name
+        limit = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"logprobs": "top_logprobs", "max_tokens": limit}.get(name, name)
 
 
 # ---- responses ---------------------------------------------------------------------------------
