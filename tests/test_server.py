@@ -325,6 +325,15 @@ BAD_REQUESTS = [  # the request, the error the client raises, words of the messa
     (dict(prompt=PROMPT, logprobs=99), openai.BadRequestError, "logprobs", "logprobs",
      "invalid_value"),
     (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL, "model", "model_not_found"),
+    # fields nanoserve does not implement: refused, not served as if they were not there
+    (dict(prompt=PROMPT, n=2), openai.BadRequestError, "n 2 is not supported", "n",
+     "unsupported_parameter"),
+    (dict(prompt=PROMPT, presence_penalty=0.5), openai.BadRequestError, "presence_penalty 0.5",
+     "presence_penalty", "unsupported_parameter"),
+    (dict(prompt=PROMPT, logit_bias={"5": 10}), openai.BadRequestError, "leave it out",
+     "logit_bias", "unsupported_parameter"),
+    (dict(prompt=PROMPT, extra_body={"repetition_penalty": 1.2}), openai.BadRequestError,
+     "repetition_penalty", "repetition_penalty", "unsupported_parameter"),
 ]
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -364,6 +373,13 @@ def test_bad_input_gets_an_openai_error(server):
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
     assert_openai_error(r.json()["error"], "prompt")
     assert client.completions.create(prompt=PROMPT, **GREEDY).choices[0].text  # still serving
+    no_ops = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, extra_body={
+        "repetition_penalty": 1, "min_p": None, "best_of": 1, "use_beam_search": False})
+    assert client.completions.create(prompt=PROMPT, **no_ops, **GREEDY).choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:  # chat refuses them too
+        client.chat.completions.create(messages=QUESTION, frequency_penalty=1, **GREEDY)
+    assert_openai_error(e.value.body, "frequency_penalty")
+    assert e.value.body["code"] == "unsupported_parameter"
 
 
 @pytest.mark.parametrize("body, param, code", [

@@ -78,9 +78,8 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
         stream = await submit(client, body.single_prompt(), params, body)
-        completion = Completion(ResponseHead("completion", model_name), client.tokenizer,
-                                body.logprobs)
-        return await respond(completion, stream, body, request)
+        reply = Completion(ResponseHead("completion", model_name), client.tokenizer, body.logprobs)
+        return await respond(reply, stream, body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -4,7 +4,8 @@ Owns the translation between JSON and the engine's types: a request body becomes
 (whose constructor validates the values), an engine output becomes a completion, a chat completion
 or one of their stream chunks, with `usage` and OpenAI-shaped `logprobs`. It knows no HTTP and no
 engine client (app.py, engine_client.py). Unknown fields are ignored, as OpenAI's clients send
-extras.
+extras, but for the sampling fields nanoserve does not implement (UNSUPPORTED): those are refused
+unless left at their no-op values, so no request is served as if they held.
 """
 import time
 import uuid
@@ -51,8 +52,15 @@ def field_at_fault(message: str) -> str | None:
 # ---- requests ----------------------------------------------------------------------------------
 class Strict(BaseModel):
     """A request model: values of the wrong JSON type are refused ("max_tokens": "3" is a 400, as
-    OpenAI answers), not coerced; unknown fields are ignored."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    OpenAI answers), not coerced; unknown fields are kept (model_extra) and read only if in
+    UNSUPPORTED."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# OpenAI's and vLLM's fields that change the output and that nanoserve does not implement, with
+# their no-op values: any other value is a 400, not a request served as if the field were absent
+UNSUPPORTED = dict(n=1, best_of=1, presence_penalty=0, frequency_penalty=0, repetition_penalty=1,
+                   min_p=0, logit_bias={}, use_beam_search=False)
 
 
 class StreamOptions(Strict):
@@ -70,7 +78,6 @@ class SamplingRequest(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
     # vLLM's extras
     top_k: int | None = None  # 0 or -1: off
     ignore_eos: bool = False
@@ -86,9 +93,10 @@ class SamplingRequest(Strict):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; a bad value is a 400 whose `param` names its field."""
-        if self.n != 1:
-            raise OpenAIError(400, f"n must be 1 (one choice per request), got {self.n}", "n",
-                              "invalid_value")
+        for name, no_op in UNSUPPORTED.items():
+            if (value := self.model_extra.get(name)) not in (no_op, None):
+                raise OpenAIError(400, f"{name} {value!r} is not supported: leave it out or send "
+                                       f"{no_op!r}", name, "unsupported_parameter")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         try:
             return SamplingParams(
