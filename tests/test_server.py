@@ -376,10 +376,17 @@ def test_bad_input_gets_an_openai_error(server):
     no_ops = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, extra_body={
         "repetition_penalty": 1, "min_p": None, "best_of": 1, "use_beam_search": False})
     assert client.completions.create(prompt=PROMPT, **no_ops, **GREEDY).choices[0].text
-    with pytest.raises(openai.BadRequestError) as e:  # chat refuses them too
-        client.chat.completions.create(messages=QUESTION, frequency_penalty=1, **GREEDY)
-    assert_openai_error(e.value.body, "frequency_penalty")
-    assert e.value.body["code"] == "unsupported_parameter"
+    weather = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    for refused, param in ((dict(frequency_penalty=1), "frequency_penalty"),  # chat refuses them
+                           (dict(tools=weather), "tools"),  # no tool is ever called
+                           (dict(tool_choice="required"), "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=QUESTION, **refused, **GREEDY)
+        assert_openai_error(e.value.body, param)
+        assert e.value.body["code"] == "unsupported_parameter"
+        assert f"{param} " in e.value.body["message"] and len(e.value.body["message"]) < 120
+    assert client.chat.completions.create(messages=QUESTION, tool_choice="none", tools=[],
+                                          **GREEDY).choices[0].message.content
 
 
 @pytest.mark.parametrize("body, param, code", [

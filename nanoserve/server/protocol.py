@@ -4,8 +4,8 @@ Owns the translation between JSON and the engine's types: a request body becomes
 (whose constructor validates the values), an engine output becomes a completion, a chat completion
 or one of their stream chunks, with `usage` and OpenAI-shaped `logprobs`. It knows no HTTP and no
 engine client (app.py, engine_client.py). Unknown fields are ignored, as OpenAI's clients send
-extras, but for the sampling fields nanoserve does not implement (UNSUPPORTED): those are refused
-unless left at their no-op values, so no request is served as if they held.
+extras, but for the sampling and tool fields nanoserve does not implement (UNSUPPORTED): those are
+refused unless left at their no-op values, so no request is served as if they held.
 """
 import time
 import uuid
@@ -57,10 +57,11 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-# OpenAI's and vLLM's fields that change the output and that nanoserve does not implement, with
-# their no-op values: any other value is a 400, not a request served as if the field were absent
+# OpenAI's and vLLM's fields that change the output and that nanoserve does not implement (tool
+# calls among them), with their no-op values: any other value is a 400, not a request served as if
+# the field were absent
 UNSUPPORTED = dict(n=1, best_of=1, presence_penalty=0, frequency_penalty=0, repetition_penalty=1,
-                   min_p=0, logit_bias={}, use_beam_search=False)
+                   min_p=0, logit_bias={}, use_beam_search=False, tools=[], tool_choice="none")
 
 
 class StreamOptions(Strict):
@@ -95,8 +96,8 @@ class SamplingRequest(Strict):
         """The engine's SamplingParams; a bad value is a 400 whose `param` names its field."""
         for name, no_op in UNSUPPORTED.items():
             if (value := self.model_extra.get(name)) not in (no_op, None):
-                raise OpenAIError(400, f"{name} {value!r} is not supported: leave it out or send "
-                                       f"{no_op!r}", name, "unsupported_parameter")
+                raise OpenAIError(400, f"{name} {value!r:.40} is not supported: leave it out or "
+                                       f"send {no_op!r}", name, "unsupported_parameter")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         try:
             return SamplingParams(
