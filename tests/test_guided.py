@@ -125,6 +125,13 @@ def test_choice_greedy_and_sampled(llm, chat):
         assert out["text"] in choices and out["finish_reason"] == "stop", out
 
 
+def test_choices_and_enums_past_ascii(llm, chat):
+    choices = ["😀 ok", "🙂 café"]  # past the BMP: surrogate pairs when escaped
+    outs = llm.generate([chat("Pick one.")] * 2,
+                        [guided(20, choice=choices), guided(20, json={"enum": choices})])
+    assert outs[0]["text"] in choices and json.loads(outs[1]["text"]) in choices, outs
+
+
 def test_json_object_and_grammar(llm, chat):
     grammar = 'root ::= "The answer is " [0-9]+ "."'
     outs = llm.generate([chat("Give a JSON object with a cat's name and age."),

@@ -44,6 +44,9 @@ from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
+# an EBNF string literal: escaped as a JSON string, but for characters past ASCII, which xgrammar
+# would read as two halves of a surrogate pair
+LITERAL = functools.partial(json.dumps, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,8 @@ class GuidedDecodingParams:
     @property
     def source(self) -> tuple[str, str]:
         """(kind, text): what xgrammar compiles, kind "json", "regex" or "grammar"."""
-        if self.choice is not None:  # EBNF string literals escape as JSON strings do
-            return "grammar", "root ::= " + " | ".join(map(json.dumps, self.choice))
+        if self.choice is not None:
+            return "grammar", "root ::= " + " | ".join(map(LITERAL, self.choice))
         if self.json is not None:
             return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
         if self.json_object:
@@ -87,8 +90,7 @@ def parse(kind: str, text: str) -> xgr.Grammar:
             return xgr.Grammar.from_json_schema(text, any_whitespace=False)
         return xgr.Grammar.from_regex(text) if kind == "regex" else xgr.Grammar.from_ebnf(text)
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's C++ errors: drop the place
-        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .* is false: )?", "",
-                        str(e).strip())
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .* is false: )?", "", str(e).strip())
         raise ValueError(f"bad guided_decoding {kind}: {reason}") from None
 
 
