@@ -215,6 +215,11 @@ def test_stop_strings(server):
     assert out.choices[0].finish_reason == "stop"
     chunks = client.completions.create(prompt=PROMPT, stop=stop, stream=True, **GREEDY)
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    # each token's text_offset is the same streamed or not, though the stream holds text back
+    whole = client.completions.create(prompt=PROMPT, stop=stop, logprobs=1, **GREEDY).choices[0]
+    chunks = client.completions.create(prompt=PROMPT, stop=stop, logprobs=1, stream=True, **GREEDY)
+    offsets = [o for c in chunks if (lp := c.choices[0].logprobs) for o in lp.text_offset]
+    assert offsets == whole.logprobs.text_offset and offsets[1] == len(whole.logprobs.tokens[0])
 
 
 def test_logprobs(server, tokenizer):
@@ -689,6 +694,30 @@ def test_sigterm_drains_and_exits_0(tp_server):
     while (left := [pid for pid in children if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+
+
+def test_a_cancelled_handler_cancels_its_request():
+    """uvicorn cancels the handlers still running when a shutdown outlasts --shutdown-timeout:
+    the request's work and the disconnect watch end with it, nothing is left to fail unseen."""
+    from nanoserve.server.app import until_disconnect
+
+    class SilentClient:  # a request whose client neither sends nor leaves
+        async def receive(self) -> dict:
+            await asyncio.Event().wait()
+
+    async def main() -> tuple[bool, list[asyncio.Task]]:
+        work = asyncio.ensure_future(asyncio.Event().wait())  # a request that never ends
+        handler = asyncio.ensure_future(until_disconnect(work, SilentClient()))
+        await asyncio.sleep(0.01)
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        await asyncio.sleep(0)
+        return work.cancelled(), [t for t in asyncio.all_tasks()
+                                  if t is not asyncio.current_task() and not t.done()]
+
+    work_cancelled, running = asyncio.run(main())
+    assert work_cancelled and not running, running
 
 
 def alive(pid: int) -> bool:

@@ -214,13 +214,13 @@ class Completion:
     def __init__(self, head: ResponseHead, tokenizer: PreTrainedTokenizerBase,
                  logprobs: int | None) -> None:
         self.head, self.tokenizer, self.k = head, tokenizer, logprobs
-        self.text_offset = 0  # characters already sent: the next token's text_offset
+        self.text_offset = 0  # the sent tokens' characters: the next token's text_offset
 
     def choice(self, delta: Delta, chunk: bool) -> dict:
         logprobs = None
         if self.k is not None and delta.logprobs is not None:
             logprobs = completion_logprobs(self.tokenizer, delta, self.k, self.text_offset)
-        self.text_offset += len(delta.text)
+            self.text_offset += sum(map(len, logprobs["tokens"]))  # not the text: stops hold it
         return {"index": 0, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
 
@@ -293,12 +293,12 @@ async def until_disconnect(work: Awaitable[Delta], request: Request) -> Delta | 
     aborts its request): a plain response has no stream whose writes would notice."""
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(wait_disconnect(request))
-    await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    watch_task.cancel()
-    if not work_task.done():
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        return work_task.result() if work_task.done() else None
+    finally:  # both end with the handler, also when uvicorn cancels it (a shutdown's timeout)
+        watch_task.cancel()
         work_task.cancel()
-        return None
-    return work_task.result()
 
 
 async def wait_disconnect(request: Request) -> None:
