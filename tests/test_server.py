@@ -392,6 +392,11 @@ def test_bad_input_gets_an_openai_error(server):
         assert f"{param} " in e.value.body["message"] and len(e.value.body["message"]) < 120
     assert client.chat.completions.create(messages=QUESTION, tool_choice="none", tools=[],
                                           **GREEDY).choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as e:  # not dropped: the model reads text only
+        client.chat.completions.create(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"}, image]}], **GREEDY)
+    assert "Input should be 'text'" in e.value.body["message"], e.value.body
 
 
 @pytest.mark.parametrize("body, param, code", [

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedTokenizerBase
@@ -159,7 +159,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(Strict):
-    type: str
+    type: Literal["text"]  # the models read text: an image or audio part is a 400, not dropped
     text: str = ""
 
 
@@ -168,9 +168,9 @@ class ChatMessage(Strict):
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
-        """The message as one string: content parts of type "text" are joined."""
+        """The message as one string: its content parts (text) joined."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if part.type == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
