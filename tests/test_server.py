@@ -36,6 +36,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from nanoserve.config import Config
 from nanoserve.server import cli
+from nanoserve.server.app import until_disconnect
 from nanoserve.weights import default_model_dir
 
 pytestmark = pytest.mark.slow
@@ -704,8 +705,6 @@ def test_sigterm_drains_and_exits_0(tp_server):
 def test_a_cancelled_handler_cancels_its_request():
     """uvicorn cancels the handlers still running when a shutdown outlasts --shutdown-timeout:
     the request's work and the disconnect watch end with it, nothing is left to fail unseen."""
-    from nanoserve.server.app import until_disconnect
-
     class SilentClient:  # a request whose client neither sends nor leaves
         async def receive(self) -> dict:
             await asyncio.Event().wait()

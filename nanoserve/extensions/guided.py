@@ -44,8 +44,8 @@ from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
-# an EBNF string literal: escaped as a JSON string, but for characters past ASCII, which xgrammar
-# would read as two halves of a surrogate pair
+# an EBNF string literal, escaped as a JSON string but with characters past ASCII as they are:
+# escaped, one past the BMP becomes a surrogate pair, which xgrammar reads as two characters
 LITERAL = functools.partial(json.dumps, ensure_ascii=False)
 
 
