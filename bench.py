@@ -335,7 +335,8 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
              tensor_parallel_size=args.tp, max_model_len=max(MIN_MODEL_LEN, max_len),
              device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=flags["max_num_seqs"],
              dtype=flags["dtype"], speculative_method=None if speculative == "off" else speculative,
-             num_speculative_tokens=flags["num_speculative_tokens"]) as llm:
+             num_speculative_tokens=flags["num_speculative_tokens"],
+             batch_invariant=flags["batch_invariant"]) as llm:
         step, steps, first_tokens = llm.step, [], []  # per run: engine steps, FirstTokens
 
         def counted_step() -> tuple:
@@ -872,6 +873,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model's")
     p.add_argument("--cpu", action="store_true", help="CPU mode (automatic without CUDA)")
     p.add_argument("--eager", action="store_true", help="nanoserve without CUDA graphs")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="nanoserve with batch_invariant=True (the same bits in any batch)")
     p.add_argument("--tp", type=int, default=1, help="nanoserve tensor-parallel size")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="comma list of auto, fp8: nanoserve runs once with each KV cache dtype")

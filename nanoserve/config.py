@@ -92,6 +92,7 @@ class Config:
     num_speculative_tokens: int = 8  # most tokens proposed per sequence and step
     prompt_lookup_min: int = 2  # the shortest n-gram the lookup matches (a suffix this long)
     prompt_lookup_max: int = 4  # the longest: of the matches found, the longest wins
+    batch_invariant: bool = False  # GPU: a request's tokens and logprobs the same in any batch
     trace: bool = False  # log one line per engine step (also NANOSERVE_TRACE=1)
     timeline: bool = False  # record every step for a picture of the run (LLM.timeline.plot)
 

@@ -10,7 +10,8 @@ The forward context carries the batch layout (cu_seqlens, slot_mapping, block_ta
 model runner to the Attention layers without threading it through every forward signature.
 Each layer's forward is the plain computation. Two extension points live here: `OPS`, the
 elementwise steps (extensions.fused swaps in one Triton kernel for norm + rotary + KV store, and
-compiled ones for the rest), and `Attention.decode_backend` (extensions.cascade).
+compiled ones for the rest), and Attention's prefill and decode backends (extensions.cascade,
+extensions.batch_invariant).
 Owns no weights' file format (weights.py) and no kernel (kernels/).
 """
 from collections.abc import Callable, Iterator
@@ -50,7 +51,7 @@ class ForwardContext:
     cu_seqlens_k: Array | None = None  # (S+1,) int32 prefill: start of each sequence's context
     # decode: a row per new token (a sequence computing several tokens has several rows)
     context_lens: Array | None = None  # (S,) int32 decode: each row's keys, up to its token
-    block_tables: Array | None = None  # (S, max_blocks) int32 decode: each row's sequence's blocks
+    block_tables: Array | None = None  # (S, max_blocks) int32: each row's sequence's blocks
     num_common_blocks: Array | None = None  # (1,) int32 decode: blocks all share (cascade)
     max_seqlen_q: int = 0  # prefill: the most new tokens of a sequence
     max_seqlen_k: int = 0  # and the longest context
@@ -109,6 +110,7 @@ class Ops:
     norm_rotary_store: Callable = norm_rotary_store
     gather_kv: Callable = kernels.gather_kv
     sample: Callable = kernels.sample
+    linear: Callable = F.linear  # y = x W^T + b, the products of every linear layer
 
 
 OPS = Ops()
@@ -170,7 +172,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[start:start + size].copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return OPS.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -186,7 +188,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.shard_size, self.shard_size))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)
+        y = OPS.linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
@@ -222,7 +224,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: Tensor, rows: Tensor | None = None) -> Tensor | None:
         """hidden (N, hidden) -> logits (rows, V) on rank 0, None elsewhere. rows: which of
         hidden's rows (prefill: each sequence's last token); None: all (decode)."""
-        logits = F.linear(hidden if rows is None else hidden[rows], self.weight)  # (rows, V / tp)
+        logits = OPS.linear(hidden if rows is None else hidden[rows], self.weight)  # (rows, V / tp)
         if self.tp_size == 1:
             return logits
         # rank 0 gathers every rank's slice of the vocab; the others only send theirs
@@ -238,6 +240,16 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContex
     return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
 
 
+def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   ctx: ForwardContext, scale: float) -> Tensor:
+    """The core's prefill attention: q (N, H, D) over every key as the cache holds it, prefix
+    hits and new tokens ((Nk, Hkv, D), dequantized from an fp8 cache, as decode reads them)."""
+    if k_cache.numel():  # the profiling run, before the cache exists: the new k and v alone
+        k, v = OPS.gather_kv(k_cache, v_cache, ctx.context_slots, q.dtype)
+    return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                     ctx.max_seqlen_q, ctx.max_seqlen_k, scale)
+
+
 class Attention(nn.Module):
     """The paged KV cache of one layer, and attention over it: varlen flash attention for prefill,
     the decode backend for decode (the paged-decode kernel, unless an extension gives another).
@@ -249,7 +261,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.tensor([])  # (num_blocks, B, Hkv, D), set by the runner
-        self.decode_backend: Callable[..., Tensor] = paged_decode  # extension point
+        # extension points: cascade's decode, batch_invariant's prefill and decode
+        self.prefill_backend, self.decode_backend = varlen_prefill, paged_decode
 
     def store_kv(self, k: Tensor, v: Tensor) -> None:
         """Write the new tokens' k and v (N, Hkv, D) into the cache at their slots."""
@@ -261,8 +274,4 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if not ctx.is_prefill:  # one new token per sequence against its blocks
             return self.decode_backend(q, self.k_cache, self.v_cache, ctx, self.scale)
-        if self.k_cache.numel():  # every key as the cache holds it: prefix hits and new tokens
-            # (Nk, Hkv, D), dequantized from an fp8 cache, as decode reads them
-            k, v = OPS.gather_kv(self.k_cache, self.v_cache, ctx.context_slots, q.dtype)
-        return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                         ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale)
+        return self.prefill_backend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

@@ -128,6 +128,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
                          ("speculative", cfg.speculative_method), ("trace", cfg.trace),
                          ("timeline", cfg.timeline), ("prefill_graphs", cfg.prefill_graphs
+                                                      and not cfg.batch_invariant
                                                       and self.model_runner.graphs is not None)):
             if on:
                 self._attach(name)

@@ -94,11 +94,17 @@ class ModelRunner:
         k = config.num_speculative_tokens if config.speculative_method else 0
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
         triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
-        layers.OPS = extension("fused").ops() if config.fused_kernels and triton else layers.Ops()
+        fused = extension("fused").ops() if config.fused_kernels and triton else None
+        invariant = extension("batch_invariant") if config.batch_invariant and triton else None
+        if invariant and self.device.type == "cuda":
+            invariant.use_fixed_gemms()  # before the first matrix product
+        layers.OPS = invariant.ops(fused) if invariant else fused or layers.Ops()
         # rng: the sampler's keys for unseeded rows
         self.model, self.rng = self._build_model(), np.random.default_rng()
+        if invariant:
+            invariant.attach(self.model)
         self.cascade = (extension("cascade").Cascade(self.model, config)
-                        if config.cascade_attention and triton else None)
+                        if config.cascade_attention and triton and not invariant else None)
         self.sampling_hooks: list[SamplingHook] = []
         self.allocate_kv_cache()
         # decode graphs, captured on the device; None: every decode step runs eagerly
@@ -196,9 +202,10 @@ class ModelRunner:
         seq_index = np.repeat(np.arange(len(batch.seqs)), batch.num_new_tokens)  # (N,)
         new_slots = block_tables[seq_index, block_index] * self.block_size + offset
         ctx = ForwardContext(is_prefill=batch.is_prefill, input_ids=np.array(input_ids, np.int64),
-                             positions=positions, slot_mapping=new_slots.astype(np.int32))
+                             positions=positions, slot_mapping=new_slots.astype(np.int32),
+                             block_tables=block_tables)
         if not batch.is_prefill:  # the decode kernel reads each context through its block table
-            ctx.context_lens, ctx.block_tables = num_keys.astype(np.int32), block_tables
+            ctx.context_lens = num_keys.astype(np.int32)
             ctx.num_common_blocks = self.cascade and self.cascade.num_common_blocks(
                 block_tables, ctx.context_lens)
             return ctx

@@ -13,6 +13,11 @@ import torch
 from nanoserve.config import Config
 from nanoserve.weights import default_model_dir
 
+# cuBLAS reads its workspace settings once a process, at its first product: set before any test,
+# the ones batch_invariant=True needs, so its engines can be built after others in this process
+for name, value in {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}.items():
+    os.environ.setdefault(name, value)
+
 if method := os.environ.get("NANOSERVE_TEST_SPECULATIVE"):
     _post_init = Config.__post_init__
 

@@ -48,7 +48,8 @@ def test_kernels_under_triton_interpreter() -> None:
     """Run this file's *_interpreted tests in a child process with TRITON_INTERPRET=1 set before
     any import."""
     python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path)
+    # no GPU visible: the child runs as on a CPU machine, wherever it starts
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path, CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
                __file__]
     child = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -940,3 +941,78 @@ def test_core_store_writes_each_slot_and_slot_minus_one_into_the_spare_slot(
         assert torch.equal(rows[[5, 11, 0, 6]], expect)  # slot -1: the last one, 11
         assert rows.abs().max() <= (448 if cache_dtype == FP8 else 1000)
         assert not rows[[1, 2, 3, 4, 7, 8, 9, 10]].any()
+
+
+# --------------------------------------------------------------------------------------------------
+# extensions.batch_invariant: one attention kernel for prefill and decode, a row-a-program RMSNorm
+# --------------------------------------------------------------------------------------------------
+
+def check_invariant_attention(device: str, dtype: torch.dtype, group: int, Hkv: int, D: int,
+                              tol: float) -> None:
+    """Prompts with cached prefixes (fewer new tokens than keys) through the kernel: close to the
+    plain prefill over the gathered keys; and every token alone, as a decode row, gives the same
+    bits as in its prompt's tiles."""
+    from nanoserve.extensions import batch_invariant
+    seq_lens, lens_q = [37, 16, 80, 5], [37, 3, 50, 1]  # whole prompts and prefix-cache hits
+    B, H = 16, group * Hkv
+    k_cache, v_cache, block_tables, _ = make_paged_kv(seq_lens, B, Hkv, D, dtype, device)
+    q = torch.randn(sum(lens_q), H, D).to(device, dtype)  # (N, H, D)
+    cu_q, cu_k = cu_seqlens(lens_q).to(device), cu_seqlens(seq_lens).to(device)
+    out = batch_invariant.attention(q, k_cache, v_cache, block_tables, cu_q,
+                                    cu_k[1:] - cu_k[:-1], max(lens_q), D**-0.5)
+    slots = torch.cat([block_tables[s, torch.arange(n) // B].long().cpu() * B + torch.arange(n) % B
+                       for s, n in enumerate(seq_lens)]).to(device)
+    k, v = kernels.gather_kv(k_cache, v_cache, slots, torch.float32)
+    ref = kernels.prefill_attention_ref(q.float(), k, v, cu_q, cu_k, max(lens_q), max(seq_lens),
+                                        D**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    # each token alone: a decode row of its sequence, its position's keys
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(lens_q))  # (N,)
+    ends = torch.cat([torch.arange(n - m + 1, n + 1) for n, m in zip(seq_lens, lens_q)])
+    rows = torch.arange(len(seq) + 1, dtype=torch.int32, device=device)
+    alone = batch_invariant.attention(q, k_cache, v_cache, block_tables[seq.to(device)], rows,
+                                      ends.to(device, torch.int32), 1, D**-0.5)
+    torch.testing.assert_close(alone, out, atol=tol, rtol=tol)
+    # the interpreter's products are numpy's, whose rounding moves with a row's place in the tile
+    assert torch.equal(alone, out) or not q.is_cuda
+
+
+@interpreted
+@pytest.mark.parametrize("group, Hkv, D", [(2, 2, 64), (3, 1, 32)])
+def test_batch_invariant_attention_interpreted(group: int, Hkv: int, D: int) -> None:
+    check_invariant_attention("cpu", torch.float32, group, Hkv, D, 1e-5)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group, Hkv, D", [(2, 8, 128), (3, 3, 64)])
+def test_batch_invariant_attention_gpu(dtype: torch.dtype, group: int, Hkv: int, D: int) -> None:
+    check_invariant_attention("cuda", dtype, group, Hkv, D, 2e-2)
+
+
+def check_invariant_rms_norm(device: str, dtype: torch.dtype) -> None:
+    """Close to the plain RMSNorm (with and without the residual add); a row's bits the same in a
+    batch of 1 and of 300."""
+    from nanoserve.extensions import batch_invariant
+    x, res = (torch.randn(300, 576).to(device, dtype) for _ in range(2))
+    weight = (torch.rand(576) + 0.5).to(device, dtype)
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype != torch.float32 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batch_invariant.rms_norm(x, weight, 1e-6),
+                               kernels.rms_norm_ref(x, weight, 1e-6), **tol)
+    out, total = batch_invariant.rms_norm(x, weight, 1e-6, res)
+    torch.testing.assert_close(total, x + res)
+    torch.testing.assert_close(out, kernels.rms_norm_ref(x + res, weight, 1e-6), **tol)
+    assert torch.equal(batch_invariant.rms_norm(x[:1], weight, 1e-6, res[:1])[0], out[:1])
+
+
+@interpreted
+def test_batch_invariant_rms_norm_interpreted() -> None:
+    check_invariant_rms_norm("cpu", torch.float32)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_rms_norm_gpu(dtype: torch.dtype) -> None:
+    check_invariant_rms_norm("cuda", dtype)

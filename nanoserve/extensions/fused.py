@@ -54,7 +54,7 @@ def ops() -> layers.Ops:  # falls back to eager once a function has been compile
     (prefill's gather + dequantize in one pass, say), but norm + rotary + store, one Triton
     kernel."""
     compiled = {name: gpu_compiled(step) for name, step in vars(layers.Ops()).items()
-                if name != "norm_rotary_store"}
+                if name not in ("norm_rotary_store", "linear")}
     return layers.Ops(**compiled, norm_rotary_store=fused_norm_rotary_store)
 
 
