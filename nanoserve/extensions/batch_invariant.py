@@ -149,11 +149,12 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seql
     m_i = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([QUERIES * GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([QUERIES * GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
+    # block ids are loaded a step ahead, so each step's K/V addresses are known before it starts
+    table = block_tables_ptr + seq * block_tables_stride
+    block_id = tl.load(table + offs_t // BLOCK_SIZE, mask=offs_t < tile_end, other=0)  # (TILE,)
     for start in tl.range(0, tile_end, TILE, num_stages=NUM_STAGES):
-        key = start + offs_t  # (TILE,) positions in the sequence
+        key = start + offs_t  # (TILE,) positions in the sequence; slot = block_id * B + key % B
         valid = key < tile_end
-        block_id = tl.load(block_tables_ptr + seq * block_tables_stride + key // BLOCK_SIZE,
-                           mask=valid, other=0)  # slot = block_id * B + key % B
         slots = (block_id.to(tl.int64) * cache_stride_block + (key % BLOCK_SIZE)
                  * cache_stride_token + kv_head * HEAD_DIM)  # (TILE,)
         k = tl.load(k_cache_ptr + slots[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -167,6 +168,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seql
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc, m_i = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), m_new
+        block_id = tl.load(table + (key + TILE) // BLOCK_SIZE, mask=key + TILE < tile_end, other=0)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_rows = (first_q + token).to(tl.int64) * (tl.num_programs(1) * GROUP) + kv_head * GROUP + g
     tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + offs_d[None, :],
@@ -210,10 +212,9 @@ def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
 
 
 def ops(fused: layers.Ops | None) -> layers.Ops:
-    """layers.OPS: the RMSNorms a row a program; the rest plain, or fused's one kernel for q/k
-    norm + rotary + store (a program per token)."""
-    fused_store = {"norm_rotary_store": fused.norm_rotary_store} if fused else {}
-    return layers.Ops(rms_norm=rms_norm, linear=linear, **fused_store,
+    """layers.OPS: fused's (or the plain) steps, each a program a row or an element, but for the
+    RMSNorms, a row a program here, and the products."""
+    return layers.Ops(**vars(fused or layers.Ops()), rms_norm=rms_norm, linear=linear,
                       add_rms_norm=lambda x, residual, w, eps: rms_norm(x, w, eps, residual))
 
 
