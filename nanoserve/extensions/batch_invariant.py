@@ -11,6 +11,7 @@ deterministic modes, docs/performance.md). Where it plugs in, with `batch_invari
 elementwise ops (layers.OPS) and both attention backends; cascade attention and prefill graphs
 stay off. On the CPU nothing changes: float32 there is batch invariant already.
 """
+import dataclasses
 import functools
 import os
 
@@ -214,8 +215,9 @@ def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
 def ops(fused: layers.Ops | None) -> layers.Ops:
     """layers.OPS: fused's (or the plain) steps, each a program a row or an element, but for the
     RMSNorms, a row a program here, and the products."""
-    return layers.Ops(**vars(fused or layers.Ops()), rms_norm=rms_norm, linear=linear,
-                      add_rms_norm=lambda x, residual, w, eps: rms_norm(x, w, eps, residual))
+    return dataclasses.replace(
+        fused or layers.Ops(), rms_norm=rms_norm, linear=linear,
+        add_rms_norm=lambda x, residual, w, eps: rms_norm(x, w, eps, residual))
 
 
 def attach(model: torch.nn.Module) -> None:
