@@ -96,9 +96,7 @@ class ModelRunner:
         triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
         fused = extension("fused").ops() if config.fused_kernels and triton else None
         invariant = extension("batch_invariant") if config.batch_invariant and triton else None
-        if invariant and self.device.type == "cuda":
-            invariant.use_fixed_gemms()  # before the first matrix product
-        layers.OPS = invariant.ops(fused) if invariant else fused or layers.Ops()
+        layers.OPS = invariant.ops(fused) if invariant else fused or layers.Ops()  # (first)
         # rng: the sampler's keys for unseeded rows
         self.model, self.rng = self._build_model(), np.random.default_rng()
         if invariant:
@@ -188,15 +186,13 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> ForwardContext:
         """The batch as host arrays: seqs[i] computes num_new_tokens[i] tokens from position
         starts[i] (a decode: its newest token) and attends to every token up to them."""
-        input_ids, positions, cu_q, cu_k = [], [], [0], [0]
+        input_ids, positions = [], []
         for seq, start, num_new in zip(batch.seqs, batch.starts, batch.num_new_tokens):
-            end = start + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            cu_q.append(cu_q[-1] + num_new)
-            cu_k.append(cu_k[-1] + end)  # keys: the cached prefix plus the new tokens
+            input_ids += seq.token_ids[start:start + num_new]
+            positions += range(start, start + num_new)
         positions, block_tables = np.array(positions, np.int64), self.block_tables(batch.seqs)
-        num_keys = np.diff(cu_k)  # (S,)
+        # (S,) each sequence's keys: the cached prefix plus the new tokens
+        num_keys = np.add(batch.starts, batch.num_new_tokens)
         # each new token's slot, block_id * B + offset, the block from its sequence's table row
         block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
         seq_index = np.repeat(np.arange(len(batch.seqs)), batch.num_new_tokens)  # (N,)
@@ -209,7 +205,8 @@ class ModelRunner:
             ctx.num_common_blocks = self.cascade and self.cascade.num_common_blocks(
                 block_tables, ctx.context_lens)
             return ctx
-        ctx.cu_seqlens_q, ctx.cu_seqlens_k = np.array(cu_q, np.int32), np.array(cu_k, np.int32)
+        ctx.cu_seqlens_q = np.cumsum([0, *batch.num_new_tokens], dtype=np.int32)  # (S+1,)
+        ctx.cu_seqlens_k = np.cumsum([0, *num_keys], dtype=np.int32)  # (S+1,)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max(batch.num_new_tokens), int(num_keys.max())
         # attention reads every key, a prefix-cache hit or new, at its slot: the slots of each
         # sequence's blocks (S, width * B), of which the first num_keys of each row (Nk,)

@@ -1016,3 +1016,27 @@ def test_batch_invariant_rms_norm_interpreted() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_batch_invariant_rms_norm_gpu(dtype: torch.dtype) -> None:
     check_invariant_rms_norm("cuda", dtype)
+
+
+def check_invariant_linear(device: str) -> None:
+    """The float32 product: close to F.linear, with and without a bias; a row's bits the same in
+    a batch of 1 and of 300."""
+    from nanoserve.extensions import batch_invariant
+    x, weight, bias = torch.randn(300, 200), torch.randn(96, 200), torch.randn(96)
+    x, weight, bias = x.to(device), weight.to(device), bias.to(device)
+    for b in (None, bias):
+        out = batch_invariant.linear(x, weight, b)
+        torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+        # (the interpreter's products are numpy's: its rounding is not the kernel's promise)
+        assert torch.equal(batch_invariant.linear(x[:1], weight, b), out[:1]) or not x.is_cuda
+
+
+@interpreted
+def test_batch_invariant_linear_interpreted() -> None:
+    check_invariant_linear("cpu")
+
+
+@gpu
+@requires_cuda
+def test_batch_invariant_linear_gpu() -> None:
+    check_invariant_linear("cuda")

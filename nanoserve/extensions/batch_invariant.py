@@ -48,21 +48,18 @@ def check_gemms(model: torch.nn.Module) -> None:
     shapes = {(m.weight.shape, getattr(m, "bias", None) is not None): (name, m)
               for name, m in model.named_modules() if isinstance(m, linears)}
     for name, m in shapes.values():
-        x = torch.randn(max(CHECK_ROWS), m.weight.shape[1], device=m.weight.device,
-                        dtype=m.weight.dtype)
+        x = torch.randn(max(CHECK_ROWS), m.weight.shape[1]).to(m.weight)  # (rows, in)
         product = functools.partial(linear, weight=m.weight, bias=getattr(m, "bias", None))
         alone = product(x[:1])  # (1, out)
         if bad := [rows for rows in CHECK_ROWS if not torch.equal(product(x[:rows])[:1], alone)]:
-            raise RuntimeError(
-                f"batch_invariant=True: {name} {tuple(m.weight.shape)} gave row 0 other bits in a "
-                f"batch of {bad[0]} rows (cuBLAS split its sums). Start the process with "
-                + " ".join(f"{k}={v}" for k, v in CUBLAS_ENV.items()) + " (cuBLAS reads them at "
-                "its first product), or build this engine before any other GPU work")
+            raise RuntimeError(f"batch_invariant=True: {name} gave row 0 other bits in a batch "
+                               f"of {bad[0]} rows (cuBLAS split its sums): start the process with "
+                               f"{CUBLAS_ENV} in its environment (cuBLAS reads them once)")
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one tile of out (M, N) = x (M, K) W^T (N, K): every row's dot products summed k = 0, 1, ...
     # in fp32 fused multiply-adds, the same order for any M
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,8 +71,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, BIAS: tl.con
         w = tl.load(w_ptr + cols[None, :] * K + (k + offs_k)[:, None],
                     mask=(cols[None, :] < N) & (k + offs_k[:, None] < K), other=0.0)
         acc = tl.dot(x, w, acc, input_precision="ieee")
-    if BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -83,15 +78,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, BIAS: tl.con
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear; in float32 on the GPU a Triton kernel, as cuBLAS's float32 kernels change with
     the row count (16-bit products go to cuBLASLt, set up by use_fixed_gemms)."""
-    if x.dtype != torch.float32 or not x.is_cuda:
+    if x.dtype != torch.float32 or not kernels.use_triton(x):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # (M, K)
     (M, K), N = rows.shape, weight.shape[0]
     out = rows.new_empty(M, N)
     _linear_kernel[(triton.cdiv(M, 64), triton.cdiv(N, 64))](
-        rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0),
-        BIAS=bias is not None, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
-    return out.view(*x.shape[:-1], N)
+        rows, weight, out, M, N, K, rows.stride(0), BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+    return (out if bias is None else out + bias).view(*x.shape[:-1], N)
 
 
 @triton.jit
@@ -112,9 +106,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps, x_s
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
     """kernels.rms_norm_ref of x (..., hidden) (of x + residual, returned too), a row a program."""
-    if not kernels.use_triton(x):
-        return (kernels.rms_norm_ref(x, weight, eps) if residual is None
-                else layers.add_rms_norm(x, residual, weight, eps))
     rows = x.reshape(-1, x.shape[-1])  # (N, hidden), or (N * heads, D) for Qwen3's q/k norm
     out, total = torch.empty_like(rows), torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](
@@ -128,28 +119,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
                       seq_lens_ptr, out_ptr, qk_scale, q_stride_n, q_stride_h, cache_stride_block,
                       cache_stride_token, block_tables_stride, GROUP: tl.constexpr,
-                      GROUP_PAD: tl.constexpr, QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # Program (query tile, KV head, sequence): QUERIES of the sequence's new tokens x the GROUP
-    # query heads of one KV head, one row each, against the sequence's paged keys, tile by tile
-    # from key 0. A row's arithmetic does not depend on the other rows: a lone decode token and
-    # the same token in a prompt's tile get the same bits.
+    # Program (query tile, KV head, sequence): ROWS / GROUP_PAD of the sequence's new tokens x
+    # the GROUP query heads of one KV head, one row each, against the sequence's paged keys, tile
+    # by tile from key 0. A row's arithmetic does not depend on the other rows: a lone decode
+    # token and the same token in a prompt's tile get the same bits.
     q_tile, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first_q = tl.load(cu_seqlens_q_ptr + seq)
     num_q = tl.load(cu_seqlens_q_ptr + seq + 1) - first_q  # the sequence's new tokens
-    offs_r, offs_d = tl.arange(0, QUERIES * GROUP_PAD), tl.arange(0, HEAD_DIM)
-    offs_t = tl.arange(0, TILE)
-    token, g = q_tile * QUERIES + offs_r // GROUP_PAD, offs_r % GROUP_PAD  # (ROWS,) each
+    offs_r, offs_d, offs_t = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
+    # (ROWS,) each: row r is query head r % GROUP_PAD of the tile's token r // GROUP_PAD
+    token, g = q_tile * (ROWS // GROUP_PAD) + offs_r // GROUP_PAD, offs_r % GROUP_PAD
     live = (token < num_q) & (g < GROUP)
     # causal, bottom-right: new token i of n sees the first seq_len - n + i + 1 keys; a dead row
     # sees key 0, so no row's softmax is empty
-    key_end = tl.where(live, tl.load(seq_lens_ptr + seq) - num_q + token + 1, 1)  # (ROWS,)
-    tile_end = tl.max(tl.where(live, key_end, 0), 0)  # the keys this program reads
+    ends = tl.where(live, tl.load(seq_lens_ptr + seq) - num_q + token + 1, 1)  # (ROWS,)
+    tile_end = tl.max(tl.where(live, ends, 0), 0)  # the keys this program reads
     q_rows = (first_q + token).to(tl.int64) * q_stride_n + (kv_head * GROUP + g) * q_stride_h
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
-    m_i = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 units)
-    l_i = tl.zeros([QUERIES * GROUP_PAD], tl.float32)  # running softmax denominator
-    acc = tl.zeros([QUERIES * GROUP_PAD, HEAD_DIM], tl.float32)  # running numerator
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([ROWS], tl.float32)  # running softmax denominator
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)  # running numerator
     # block ids are loaded a step ahead, so each step's K/V addresses are known before it starts
     table = block_tables_ptr + seq * block_tables_stride
     block_id = tl.load(table + offs_t // BLOCK_SIZE, mask=offs_t < tile_end, other=0)  # (TILE,)
@@ -161,8 +152,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seql
         k = tl.load(k_cache_ptr + slots[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's values, exact in q's dtype
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (ROWS, TILE) fp32
-        s = tl.where(key[None, :] < key_end[:, None], s, float("-inf"))
+        # (ROWS, TILE) fp32 scores, -inf past each row's keys
+        s = tl.where(key[None, :] < ends[:, None], tl.dot(q, tl.trans(k)) * qk_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a tile past a row's keys leaves its state as it was, exactly (alpha 1, p 0)
         alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
@@ -188,7 +179,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
     _attention_kernel[(triton.cdiv(max_seqlen_q, queries), Hkv, len(seq_lens))](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        GROUP=H // Hkv, GROUP_PAD=group_pad, QUERIES=queries, HEAD_DIM=D, BLOCK_SIZE=B,
+        GROUP=H // Hkv, GROUP_PAD=group_pad, ROWS=queries * group_pad, HEAD_DIM=D, BLOCK_SIZE=B,
         TILE=TILE_TOKENS, NUM_STAGES=NUM_STAGES)
     return out
 
@@ -196,25 +187,23 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
 def prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
             ctx: ForwardContext, scale: float) -> Tensor:
     """The prefill backend: the prompt's tokens read their keys from the cache as decode does."""
-    if not k_cache.numel() or not kernels.use_triton(q):  # profiling (no cache yet); the CPU
+    if not k_cache.numel():  # the profiling run, before the cache exists
         return layers.varlen_prefill(q, k, v, k_cache, v_cache, ctx, scale)
-    seq_lens = ctx.cu_seqlens_k[1:] - ctx.cu_seqlens_k[:-1]  # (S,)
-    return attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, seq_lens,
-                     ctx.max_seqlen_q, scale)
+    return attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q,
+                     ctx.cu_seqlens_k.diff().int(), ctx.max_seqlen_q, scale)  # keys (S,)
 
 
 def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
            scale: float) -> Tensor:
     """The decode backend: each row is a sequence of one new token (no host sync: graph safe)."""
-    if not kernels.use_triton(q):
-        return layers.paged_decode(q, k_cache, v_cache, ctx, scale)
     rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)  # (S+1,)
     return attention(q, k_cache, v_cache, ctx.block_tables, rows, ctx.context_lens, 1, scale)
 
 
 def ops(fused: layers.Ops | None) -> layers.Ops:
     """layers.OPS: fused's (or the plain) steps, each a program a row or an element, but for the
-    RMSNorms, a row a program here, and the products."""
+    RMSNorms, a row a program here, and the products (use_fixed_gemms: before the first)."""
+    use_fixed_gemms()
     return dataclasses.replace(
         fused or layers.Ops(), rms_norm=rms_norm, linear=linear,
         add_rms_norm=lambda x, residual, w, eps: rms_norm(x, w, eps, residual))
