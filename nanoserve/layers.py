@@ -234,9 +234,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 # ---- attention -----------------------------------------------------------------------------------
-def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
-                 scale: float) -> Tensor:
-    """The core's decode attention: q (S, H, D), one token per row, over its sequence's blocks."""
+def paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 ctx: ForwardContext, scale: float) -> Tensor:
+    """The core's decode attention: q (S, H, D), one token per row, over its sequence's blocks
+    (k and v, already in the cache, are not read again)."""
     return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
 
 
@@ -271,7 +272,6 @@ class Attention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (N, H, D), k and v (N, Hkv, D) of the new tokens, already in the cache -> (N, H, D)."""
-        ctx = get_forward_context()
-        if not ctx.is_prefill:  # one new token per sequence against its blocks
-            return self.decode_backend(q, self.k_cache, self.v_cache, ctx, self.scale)
-        return self.prefill_backend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        ctx = get_forward_context()  # decode: one new token per sequence against its blocks
+        backend = self.prefill_backend if ctx.is_prefill else self.decode_backend
+        return backend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

@@ -128,7 +128,6 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
                          ("speculative", cfg.speculative_method), ("trace", cfg.trace),
                          ("timeline", cfg.timeline), ("prefill_graphs", cfg.prefill_graphs
-                                                      and not cfg.batch_invariant
                                                       and self.model_runner.graphs is not None)):
             if on:
                 self._attach(name)
@@ -282,12 +281,11 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (strings or token-id lists): wrap "
                              "a single prompt in a list")
-        params = SamplingParams() if params is None else params
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts: give "
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give "
                              "one per prompt, or a single SamplingParams for all")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]  # check all
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # check all
         for seq in seqs:
             self._follow_text(seq, streamed=False)
         try:

@@ -93,14 +93,12 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         k = config.num_speculative_tokens if config.speculative_method else 0
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
-        triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
-        fused = extension("fused").ops() if config.fused_kernels and triton else None
-        invariant = extension("batch_invariant") if config.batch_invariant and triton else None
-        layers.OPS = invariant.ops(fused) if invariant else fused or layers.Ops()  # (first)
         # rng: the sampler's keys for unseeded rows
         self.model, self.rng = self._build_model(), np.random.default_rng()
-        if invariant:
-            invariant.attach(self.model)
+        triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
+        fused = extension("fused").ops() if config.fused_kernels and triton else layers.Ops()
+        invariant = config.batch_invariant and triton  # its own ops and attention backends
+        layers.OPS = extension("batch_invariant").attach(self.model, fused) if invariant else fused
         self.cascade = (extension("cascade").Cascade(self.model, config)
                         if config.cascade_attention and triton and not invariant else None)
         self.sampling_hooks: list[SamplingHook] = []
@@ -196,10 +194,9 @@ class ModelRunner:
         # each new token's slot, block_id * B + offset, the block from its sequence's table row
         block_index, offset = np.divmod(positions, self.block_size)  # (N,) each
         seq_index = np.repeat(np.arange(len(batch.seqs)), batch.num_new_tokens)  # (N,)
-        new_slots = block_tables[seq_index, block_index] * self.block_size + offset
+        new_slots = block_tables[seq_index, block_index] * self.block_size + offset.astype(np.int32)
         ctx = ForwardContext(is_prefill=batch.is_prefill, input_ids=np.array(input_ids, np.int64),
-                             positions=positions, slot_mapping=new_slots.astype(np.int32),
-                             block_tables=block_tables)
+                             positions=positions, slot_mapping=new_slots, block_tables=block_tables)
         if not batch.is_prefill:  # the decode kernel reads each context through its block table
             ctx.context_lens = num_keys.astype(np.int32)
             ctx.num_common_blocks = self.cascade and self.cascade.num_common_blocks(

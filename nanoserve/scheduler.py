@@ -128,10 +128,9 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        sp = seq.params
-        if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
-            return "stop"
-        return "length" if seq.num_output_tokens >= sp.max_tokens else None
+        p = seq.params
+        stop = token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
+        return "stop" if stop else "length" if seq.num_output_tokens >= p.max_tokens else None
 
     # ---- after a failure ---------------------------------------------------------------------
     def cancel(self, batch: Batch) -> None:

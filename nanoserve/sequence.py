@@ -22,8 +22,7 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int) -> None:
-        self.seq_id = next(Sequence._ids)
-        self.status = SequenceStatus.WAITING
+        self.seq_id, self.status = next(Sequence._ids), SequenceStatus.WAITING
         self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.params, self.block_size = params, block_size
         self.block_table: list[int] = []

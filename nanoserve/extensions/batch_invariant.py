@@ -193,25 +193,22 @@ def prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                      ctx.cu_seqlens_k.diff().int(), ctx.max_seqlen_q, scale)  # keys (S,)
 
 
-def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
-           scale: float) -> Tensor:
+def decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+           ctx: ForwardContext, scale: float) -> Tensor:
     """The decode backend: each row is a sequence of one new token (no host sync: graph safe)."""
     rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)  # (S+1,)
     return attention(q, k_cache, v_cache, ctx.block_tables, rows, ctx.context_lens, 1, scale)
 
 
-def ops(fused: layers.Ops | None) -> layers.Ops:
-    """layers.OPS: fused's (or the plain) steps, each a program a row or an element, but for the
-    RMSNorms, a row a program here, and the products (use_fixed_gemms: before the first)."""
-    use_fixed_gemms()
-    return dataclasses.replace(
-        fused or layers.Ops(), rms_norm=rms_norm, linear=linear,
-        add_rms_norm=lambda x, residual, w, eps: rms_norm(x, w, eps, residual))
-
-
-def attach(model: torch.nn.Module) -> None:
-    """Give every Attention layer the invariant backends; check the products (use_fixed_gemms)."""
+def attach(model: torch.nn.Module, ops: layers.Ops) -> layers.Ops:
+    """Give every Attention layer the invariant backends, check the products, and return
+    layers.OPS: ops (fused's or the plain steps, each a program a row or an element), but for the
+    RMSNorms, a row a program here, and the products. Before the model's first product."""
     for attn in model.attention_layers():
         attn.prefill_backend, attn.decode_backend = prefill, decode
     if next(model.parameters()).is_cuda:
+        use_fixed_gemms()
         check_gemms(model)
+    return dataclasses.replace(
+        ops, rms_norm=rms_norm, linear=linear,
+        add_rms_norm=lambda x, residual, w, eps: rms_norm(x, w, eps, residual))

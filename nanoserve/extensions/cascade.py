@@ -340,8 +340,8 @@ class Cascade:
             attn.decode_backend = self.decode
 
     @staticmethod
-    def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext,
-               scale: float) -> Tensor:
+    def decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+               ctx: ForwardContext, scale: float) -> Tensor:
         return cascade_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
                               ctx.num_common_blocks)
 

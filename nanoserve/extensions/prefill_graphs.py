@@ -84,9 +84,10 @@ class PrefillGraphs:
 
 def attach(engine: LLMEngine) -> PrefillGraphs | None:
     """None with tensor parallelism (graphs captured by rank 0 alone would hold all-reduces the
-    other ranks never join) and in float32 (its prefill attention, the torch reference, reads
-    cu_seqlens on the host)."""
-    runner = engine.model_runner
-    if engine.workers is not None or runner.config.torch_dtype not in FLASH_DTYPES:
+    other ranks never join), in float32 (its prefill attention, the torch reference, reads
+    cu_seqlens on the host) and with batch_invariant (its own prefill attention, eager)."""
+    runner, config = engine.model_runner, engine.model_runner.config
+    if (engine.workers is not None or config.torch_dtype not in FLASH_DTYPES
+            or config.batch_invariant):
         return None
     return PrefillGraphs(runner)

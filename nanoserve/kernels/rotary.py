@@ -42,7 +42,6 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
     cache's dtype. An indexed assignment: no mask, so no host sync (slot -1: the spare slot)."""
     N, Hkv, D = key.shape
     assert value.shape == key.shape and k_cache.shape[2:] == (Hkv, D) and slot_mapping.shape == (N,)
-    slots = slot_mapping.long()
     # (num_blocks * B, Hkv, D): one row per slot
-    k_cache.view(-1, Hkv, D)[slots] = to_cache_dtype(key, k_cache.dtype)
-    v_cache.view(-1, Hkv, D)[slots] = to_cache_dtype(value, v_cache.dtype)
+    k_cache.view(-1, Hkv, D)[slot_mapping.long()] = to_cache_dtype(key, k_cache.dtype)
+    v_cache.view(-1, Hkv, D)[slot_mapping.long()] = to_cache_dtype(value, v_cache.dtype)
