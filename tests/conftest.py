@@ -18,6 +18,22 @@ from nanoserve.weights import default_model_dir
 for name, value in {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}.items():
     os.environ.setdefault(name, value)
 
+# Triton before 3.9 (3.6 on the GPU machines) converts a loaded scalar, a 1-element array in its
+# interpreter, to a loop bound with int(), which NumPy 2.4 and later refuse; Triton 3.9 squeezes
+# it first. The interpreted tests get the same fix on those versions, so they run the same there.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton
+    from triton.runtime import interpreter
+
+    if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9):
+        _patch_lang_tensor = interpreter._patch_lang_tensor
+
+        def _squeezed_index(tensor: type, scope: object) -> None:
+            _patch_lang_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        interpreter._patch_lang_tensor = _squeezed_index
+
 if method := os.environ.get("NANOSERVE_TEST_SPECULATIVE"):
     _post_init = Config.__post_init__
 
