@@ -84,7 +84,9 @@ REGEXES = {  # question -> the regular expression its answer must match in full
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    with LLM(model_dir) as llm:
+    # on a GPU, a third of its memory: the tests that build engines of their own beside it get
+    # the rest
+    with LLM(model_dir, gpu_memory_utilization=0.3) as llm:
         yield llm
 
 
