@@ -17,7 +17,11 @@ from nanoserve.extensions import speculative
 from nanoserve.extensions.speculative import NgramIndex
 
 pytestmark = pytest.mark.slow
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
+# On a GPU, speculation keeps a request's tokens with batch_invariant=True (the README's claim):
+# every engine here runs with it there, and compares with the engine's own greedy tokens without
+# speculation, not transformers' float32 ones, from which bf16 parts at near-ties
+ON_GPU = dict(batch_invariant=True) if torch.cuda.is_available() else {}
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, **ON_GPU)
 PASSAGE = ("The library opens at nine in the morning and closes at six in the evening. Visitors "
            "may borrow up to five books at a time, and each loan lasts three weeks.")
 
@@ -39,6 +43,16 @@ def token_ids(outs: list[dict]) -> list[list[int]]:
     return [o["token_ids"] for o in outs]
 
 
+@pytest.fixture(scope="module")
+def greedy_reference(request, model_dir, prompts) -> list[list[int]]:
+    """transformers' greedy tokens of the chat prompts (conftest's hf_outputs); on a GPU the
+    engine's own without speculation (ON_GPU)."""
+    if not ON_GPU:
+        return request.getfixturevalue("hf_outputs")
+    with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
+        return token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
 def test_ngram_index_proposes_what_followed_the_latest_longest_match():
     index = NgramIndex(1, 3)
     assert index.propose([1, 2, 3], 4) == []  # no earlier occurrence of any suffix
@@ -54,19 +68,19 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match():
     assert index.propose(tokens, 2) == [4, 9]
 
 
-def test_greedy_matches_transformers_with_speculation(model_dir, prompts, hf_outputs):
+def test_greedy_matches_transformers_with_speculation(model_dir, prompts, greedy_reference):
     with LLM(model_dir, **SPEC) as llm:
         assert llm.loop is llm.extensions["speculative"]
         assert llm.loop.fallback is llm.extensions["overlap"]  # it runs the steps without drafts
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.loop.stats
-    assert token_ids(outs) == hf_outputs
+    assert token_ids(outs) == greedy_reference
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 
 def test_editing_prompts_accept_drafts_and_keep_their_tokens(model_dir, editing):
     params = SamplingParams(temperature=0, max_tokens=64)
-    with LLM(model_dir, overlap_scheduling=False) as llm:
+    with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
         off = token_ids(llm.generate(editing, params, use_tqdm=False))
     with LLM(model_dir, max_num_seqs=1, timeline=True, **SPEC) as llm:
         on = token_ids(llm.generate(editing, params, use_tqdm=False))
@@ -79,7 +93,7 @@ def test_editing_prompts_accept_drafts_and_keep_their_tokens(model_dir, editing)
     assert sum(s.num_sampled for s in decodes) + len(editing) == sum(map(len, on))
 
 
-def test_a_large_batch_that_proposes_nothing_runs_overlapped(model_dir, prompts, hf_outputs,
+def test_a_large_batch_that_proposes_nothing_runs_overlapped(model_dir, prompts, greedy_reference,
                                                              monkeypatch):
     """Past SMALL_BATCH sequences, a decode without drafts hands PROBE_EVERY steps to the overlap
     loop; the tokens do not change."""
@@ -89,7 +103,7 @@ def test_a_large_batch_that_proposes_nothing_runs_overlapped(model_dir, prompts,
         step = fallback.step
         fallback.step = lambda: calls.append(fallback.ahead) or step()
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert token_ids(outs) == hf_outputs
+    assert token_ids(outs) == greedy_reference
     assert len(calls) > 10 and any(ahead is not None for ahead in calls)  # overlapped steps
 
 
@@ -105,10 +119,11 @@ def test_seeded_and_greedy_outputs_are_the_same_on_and_off(model_dir, prompts, e
     chats = prompts + editing
     params = ([SamplingParams(temperature=0.8, seed=100 + i, max_tokens=40)
                for i in range(len(chats))] + [GREEDY] * len(chats))
-    with LLM(model_dir, overlap_scheduling=False) as llm:
+    with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
         off = token_ids(llm.generate(chats * 2, params, use_tqdm=False))
     for k in (1, 8):  # one draft, and the default (4: the other tests here)
-        with LLM(model_dir, speculative_method="ngram", num_speculative_tokens=k) as llm:
+        with LLM(model_dir, speculative_method="ngram", num_speculative_tokens=k,
+                 **ON_GPU) as llm:
             on = token_ids(llm.generate(chats * 2, params, use_tqdm=False))
         assert near_ties(on, off) == 0, f"num_speculative_tokens={k}"
 
@@ -144,27 +159,27 @@ def test_unseeded_sampling_keeps_the_distribution(model_dir):
     assert chi_square_pvalue(table) > 1e-3
 
 
-def test_preemption_chunked_prefill_and_prefix_caching(model_dir, prompts, hf_outputs):
+def test_preemption_chunked_prefill_and_prefix_caching(model_dir, prompts, greedy_reference):
     with LLM(model_dir, max_model_len=192, num_kvcache_blocks=12, **SPEC) as llm:
-        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_outputs
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == greedy_reference
         assert llm.scheduler.num_preemptions > 0
     with LLM(model_dir, max_num_batched_tokens=16, **SPEC) as llm:
-        assert token_ids(llm.generate(prompts[:3], GREEDY, use_tqdm=False)) == hf_outputs[:3]
+        assert token_ids(llm.generate(prompts[:3], GREEDY, use_tqdm=False)) == greedy_reference[:3]
         # a second run hits the first's blocks: only accepted tokens were hashed into them
         again = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
-    assert token_ids(again) == hf_outputs[:3]
+    assert token_ids(again) == greedy_reference[:3]
     assert all(o["num_cached_tokens"] > 0 for o in again)
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(model_dir, editing):
-    with LLM(model_dir, overlap_scheduling=False) as llm:
+    with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
         full = llm.generate(editing[:1], SamplingParams(temperature=0, max_tokens=48),
                             use_tqdm=False)[0]
     ids, text = full["token_ids"], full["text"]
     cases = [SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[ids[20]]),
              SamplingParams(temperature=0, max_tokens=48, stop=[text[40:46]]),
              SamplingParams(temperature=0, max_tokens=23)]
-    with LLM(model_dir, overlap_scheduling=False) as llm:
+    with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
         off = llm.generate(editing[:1] * 3, cases, use_tqdm=False)
     with LLM(model_dir, max_num_seqs=1, **SPEC) as llm:
         on = llm.generate(editing[:1] * 3, cases, use_tqdm=False)
@@ -179,7 +194,7 @@ def test_logprobs_for_every_emitted_token(model_dir, editing):
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
     outs = {}
     for spec in ({}, SPEC):
-        with LLM(model_dir, overlap_scheduling=False, max_num_seqs=1, **spec) as llm:
+        with LLM(model_dir, overlap_scheduling=False, max_num_seqs=1, **{**ON_GPU, **spec}) as llm:
             outs[bool(spec)] = llm.generate(editing[:2], params, use_tqdm=False)
     for on, off in zip(outs[True], outs[False]):
         assert on["token_ids"] == off["token_ids"]
@@ -214,3 +229,23 @@ def test_speculative_settings_are_checked(model_dir):
         LLM(model_dir, speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         LLM(model_dir, speculative_method="ngram", prompt_lookup_min=5, prompt_lookup_max=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_same_bits_on_and_off_on_the_gpu(model_dir, prompts, editing, dtype):
+    """The README's claim on a GPU: with batch_invariant=True, the chat and edit prompts' greedy
+    and seeded outputs are bitwise the same with speculation on and off, logprobs too."""
+    chats = prompts + editing
+    params = ([SamplingParams(temperature=0.8, seed=i, max_tokens=64, logprobs=2)
+               for i in range(len(chats))]
+              + [SamplingParams(temperature=0, max_tokens=64, logprobs=2)] * len(chats))
+    outs = {}
+    for spec in ({}, SPEC):
+        with LLM(model_dir, dtype=dtype, **{**ON_GPU, **spec}) as llm:
+            outs[bool(spec)] = [(o["token_ids"], o["logprobs"])
+                                for o in llm.generate(chats * 2, params, use_tqdm=False)]
+            if spec:
+                assert llm.loop.stats.num_accepted_tokens > 0
+    assert outs[True] == outs[False]
