@@ -24,12 +24,14 @@ def mask_top_k_top_p(logits: Tensor, temperatures: Tensor, top_ks: Tensor,
     """logits (S, V) with -inf outside each row's top k (top_ks (S,), 0 = off) and outside the
     fewest tokens whose probability at temperatures (S,) reaches top_ps (S,) (1 = off)."""
     scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
-    sorted_logits, order = scaled.sort(-1, descending=True)  # (S, V)
+    # stable: tied tokens keep one order, whatever else is in the batch
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # (S, V)
     k = torch.where(top_ks > 0, top_ks, logits.shape[-1]).unsqueeze(1)  # (S, 1)
     drop = torch.arange(logits.shape[-1], device=logits.device) >= k  # (S, V): ranks from k on
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    # drop a token when the tokens before it reach p (the most likely one always stays)
-    drop |= (probs.cumsum(-1) - probs) >= top_ps.unsqueeze(1)
+    # drop a token when the tokens before it reach p (the most likely one always stays); a row
+    # with top_p 1 keeps every token, though its rounded sums may reach 1 before the last
+    drop |= (probs.cumsum(-1) - probs >= top_ps.unsqueeze(1)) & (top_ps < 1).unsqueeze(1)
     return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
 
 
