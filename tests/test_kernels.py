@@ -425,8 +425,9 @@ def test_engine_greedy_matches_transformers_interpreted(tmp_path: pathlib.Path) 
     """The whole engine on the Triton kernels (CI's only run of the GPU attention path end to end):
     the fused projection's q and k rotated in place by rotary_and_store, prefill on the cached K/V
     of a prefix that the batch shares, paged decode with cascade attention (32 sequences share 2
-    blocks), the batch ordered longest first. A tiny random Qwen3 (q/k norm) in float32: greedy
-    tokens equal transformers'."""
+    blocks), the batch ordered longest first; and with batch_invariant=True, its one attention
+    kernel, RMSNorm and float32 product. A tiny random Qwen3 (q/k norm) in float32: greedy tokens
+    equal transformers'."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from nanoserve import LLM, SamplingParams
@@ -445,10 +446,12 @@ def test_engine_greedy_matches_transformers_interpreted(tmp_path: pathlib.Path) 
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([p]), max_new_tokens=num_new, min_new_tokens=num_new,
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
-    with LLM(str(tmp_path), max_model_len=128, enforce_eager=True) as llm:
-        params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == expected
+    params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
+    for invariant, n in ((False, len(prompts)), (True, 8)):  # interpreted products are slow
+        with LLM(str(tmp_path), max_model_len=128, enforce_eager=True,
+                 batch_invariant=invariant) as llm:
+            outs = llm.generate(prompts[:n], params, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == expected[:n], f"batch_invariant={invariant}"
 
 
 def test_default_num_splits() -> None:
