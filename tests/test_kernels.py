@@ -172,7 +172,8 @@ def test_rotary_and_store_interpreted(H: int, Hkv: int, D: int, qk_norm: bool, s
 def torch_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton's interpreter rounds a float cast to e4m3 without carrying into the exponent (1.98
     becomes 1.0, 500 becomes 256) and reads e4m3's NaN as 480. The GPU rounds to nearest even and
-    saturates at +-448 (cvt.rn.satfinite), as torch's cast does: the interpreter gets torch's."""
+    saturates at +-448 (cvt.rn.satfinite): the interpreter gets torch's cast, saturated first
+    (kernels.to_cache_dtype: torch before 2.13 casts past 480 to NaN)."""
     import triton.language as tl
     from triton.runtime import interpreter
     original = interpreter._convert_float
@@ -183,7 +184,8 @@ def torch_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> None:
         if tl.float8e4nv not in (src, dst):
             return original(data, src, dst, rounding_mode)
         flat = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(dtypes[src])
-        out = flat.to(dtypes[dst]).view(torch.uint8).numpy()  # the bytes, viewed by the caller
+        cast = kernels.to_cache_dtype(flat, FP8) if dst == tl.float8e4nv else flat.to(dtypes[dst])
+        out = cast.view(torch.uint8).numpy()  # the bytes, viewed by the caller
         return out.view(interpreter._get_np_dtype(dst)).reshape(np.shape(data))
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
