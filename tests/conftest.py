@@ -1,6 +1,6 @@
 """Test-suite switches. NANOSERVE_TEST_SPECULATIVE=ngram runs every engine the tests start with
 speculative decoding on (unless a test sets speculative_method itself): the check that the whole
-suite passes with it, `NANOSERVE_TEST_SPECULATIVE=ngram python -m pytest -q`.
+suite passes with it, `NANOSERVE_TEST_SPECULATIVE=ngram python -m pytest -q -m ""`.
 
 The default model's fixtures that several test modules share (its directory, the chat prompts of
 test_e2e.QUESTIONS, transformers' greedy outputs) live here, once per session: transformers'

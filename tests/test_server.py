@@ -39,8 +39,6 @@ from nanoserve.server import cli
 from nanoserve.server.app import until_disconnect
 from nanoserve.weights import default_model_dir
 
-pytestmark = pytest.mark.slow
-
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"  # the served name of the default model: its directory's name
 START_TIMEOUT_S = 180
@@ -490,6 +488,8 @@ def test_metrics(server):
     assert m["nanoserve_prefix_cache_hit_tokens_total"] > 0  # the chat prompt fills 2 blocks
 
 
+# the slow tail: a second server; test_speculative.py checks speculation by default
+@pytest.mark.slow
 def test_speculative_decoding_through_the_server(server):
     """A server with speculation on: the same greedy text as the module's (speculation off), the
     drafts in the usage (OpenAI's prediction-token fields) and in /metrics."""
@@ -597,6 +597,8 @@ def replica_pids(server: Server) -> list[int]:
             if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
+# the slow tail (with the next): test_sigterm_drains_and_exits_0 checks shutdown by default
+@pytest.mark.slow
 def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
     """A replica killed mid-request: its stream ends with an error event and its plain request
     with a 500, within a second; new requests get a 503, /health fails; SIGTERM still exits 0."""
@@ -639,6 +641,7 @@ def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
     assert server.proc.returncode == 0, server.log.read_text()
 
 
+@pytest.mark.slow
 def test_a_headless_replica_connects_over_tcp(tmp_path):
     """`--headless` runs one replica on its own; the API server (one replica of its own, two in
     all) waits for it at its TCP port, routes to both, and stops both on SIGTERM."""

@@ -3,13 +3,11 @@ deltas that add up to the non-streamed text (multi-byte characters, leading spac
 logprobs against transformers, and aborts that free blocks at once."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.llm_engine import TextStream
 from nanoserve.weights import default_model_dir
-
-pytestmark = pytest.mark.slow
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -31,6 +29,12 @@ def prompts(llm) -> list[str]:
     return [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                               add_generation_prompt=True, tokenize=False)
             for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(llm, prompts) -> list[dict]:
+    """generate()'s GREEDY outputs of the prompts, which the streamed runs must add up to."""
+    return llm.generate(prompts, GREEDY, use_tqdm=False)
 
 
 def stream_all(llm, prompts, params) -> dict:
@@ -60,8 +64,8 @@ def test_text_stream_adds_up_to_the_decoded_text():
     assert stream.text == tok.decode(ids) == "\ufffd"
 
 
-def test_streamed_deltas_equal_the_generated_text(llm, prompts):
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+def test_streamed_deltas_equal_the_generated_text(llm, prompts, greedy_outputs):
+    outs = greedy_outputs
     streamed = stream_all(llm, prompts, GREEDY)
     assert llm.stream_step() == []  # an idle engine runs no step
     assert any(ord(c) > 0x3000 for c in outs[2]["text"])  # the multi-byte case is exercised
@@ -77,13 +81,12 @@ def test_streamed_deltas_equal_the_generated_text(llm, prompts):
             assert max(abs(mine[t] - theirs[t]) for t in mine) < 1e-4
 
 
-def test_logprobs_match_transformers(llm, prompts):
+def test_logprobs_match_transformers(llm, prompts, hf_model):
     params = SamplingParams(temperature=0.8, max_tokens=12, seed=3, logprobs=5)
     out = llm.generate(prompts[:1], params, use_tqdm=False)[0]
     ids = llm.tokenizer.encode(prompts[0]) + out["token_ids"]
-    model = AutoModelForCausalLM.from_pretrained(llm.config.model, dtype=torch.float32)
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (T, V)
+    with torch.no_grad():  # conftest's float32 transformers model
+        ref = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (T, V)
     n = len(out["token_ids"])
     assert len(out["logprobs"]) == n
     for i, (token, lp) in enumerate(zip(out["token_ids"], out["logprobs"])):
@@ -95,8 +98,8 @@ def test_logprobs_match_transformers(llm, prompts):
             assert value == pytest.approx(row[t].item(), abs=2e-3)
 
 
-def test_stop_strings_cut_the_text_streamed_or_not(llm, prompts):
-    full = llm.generate(prompts, GREEDY, use_tqdm=False)
+def test_stop_strings_cut_the_text_streamed_or_not(llm, prompts, greedy_outputs):
+    full = greedy_outputs
     stop = SamplingParams(temperature=0, max_tokens=32, stop=("Paris", "sea,", "Blue"))
     cut = llm.generate(prompts, stop, use_tqdm=False)
     for whole, out in zip(full, cut):
@@ -109,8 +112,9 @@ def test_stop_strings_cut_the_text_streamed_or_not(llm, prompts):
     assert [parts[-1].finish_reason for parts in streamed] == [o["finish_reason"] for o in cut]
 
 
-def test_requests_join_a_running_batch_and_abort_frees_blocks_at_once(llm, prompts):
-    solo = llm.generate(prompts[1:3], GREEDY, use_tqdm=False)  # ~40 tokens each
+def test_requests_join_a_running_batch_and_abort_frees_blocks_at_once(llm, prompts,
+                                                                     greedy_outputs):
+    solo = greedy_outputs[1:3]  # ~40 tokens each
     first = llm.add_request(prompts[1], GREEDY, stream=True)
     early = [out.text for _ in range(4) for out in llm.stream_step()]
     second = llm.add_request(prompts[2], GREEDY, stream=True)  # arrives while `first` decodes

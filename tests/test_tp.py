@@ -23,7 +23,6 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from nanoserve import LLM, SamplingParams
 from nanoserve.weights import default_model_dir
 
-pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [[1, 5, 9, 200, 31], [7] * 20, list(range(40, 77))]
 
@@ -60,11 +59,19 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def test_tp2_matches_tp1_on_tiny_qwen3(tiny_qwen3):
+def test_tp2_matches_tp1_on_tiny_qwen3_and_shutdown_leaves_no_shm(tiny_qwen3):
+    """Two ranks give one rank's greedy tokens; a second TP engine in the same process is refused
+    while the first runs; shutdown removes the semaphores and the segment the ranks shared."""
     with LLM(tiny_qwen3, max_model_len=256, device="cpu") as llm:
         expected = greedy_ids(llm)
+    before = shm_entries()
     with LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2) as llm:
+        created = shm_entries() - before
         assert greedy_ids(llm) == expected
+        with pytest.raises(RuntimeError, match="another process"):
+            LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
+    assert len([n for n in created if n.startswith("sem.")]) >= 4  # wake-up + the error queue's
+    assert shm_entries() - before == set()
 
 
 def test_tp2_with_speculative_decoding_matches_tp1(tiny_qwen3):
@@ -126,6 +133,8 @@ def moved(outs_a: list[dict], outs_b: list[dict]) -> float:
     return statistics.median(deltas)
 
 
+# the slow tail: by default, the tiny Qwen3's TP=2 tests check the split and the shared memory
+@pytest.mark.slow
 def test_tp3_matches_tp1_on_default_model_and_leaves_no_shm():
     # SmolLM2: 9 query / 3 KV heads, so each of 3 ranks holds 3 query heads and 1 KV head
     prompts = [[1, 9519, 28, 957, 1462, 314], [504, 3575, 282, 4649, 314]]
@@ -139,16 +148,8 @@ def test_tp3_matches_tp1_on_default_model_and_leaves_no_shm():
     assert shm_entries() - before == set()  # semaphores and the segment are gone
 
 
-def test_tp2_shutdown_leaves_no_shm(tiny_qwen3):
-    before = shm_entries()
-    llm = LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
-    created = shm_entries() - before
-    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-    llm.shutdown()
-    assert len([n for n in created if n.startswith("sem.")]) >= 4  # wake-up + the error queue's
-    assert shm_entries() - before == set()
-
-
+# the slow tail (with the next three): test_worker_error_reaches_rank0 checks a failed worker
+@pytest.mark.slow
 def test_killed_worker_raises_and_cleans_up(tiny_qwen3):
     before = shm_entries()
     llm = LLM(tiny_qwen3, max_model_len=4096, device="cpu", tensor_parallel_size=2)
@@ -183,6 +184,7 @@ with LLM(model, max_model_len=256, device="cpu", tensor_parallel_size=2) as llm:
 """
 
 
+@pytest.mark.slow
 def test_two_tp_engines_side_by_side(tiny_qwen3, tmp_path):
     """Two engines in two processes, alive at once: each has its own shared memory and port."""
     before = set(glob.glob("/dev/shm/nanoserve-*"))
@@ -197,6 +199,7 @@ def test_two_tp_engines_side_by_side(tiny_qwen3, tmp_path):
     assert set(glob.glob("/dev/shm/nanoserve-*")) == before
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_to_start_stops_the_others(monkeypatch):
     start, calls = multiprocessing.context.SpawnProcess.start, []
 
@@ -221,6 +224,7 @@ LLM({model!r}, max_model_len=256, device="cpu", tensor_parallel_size=2)
 """
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_starting_fails_at_once(tiny_qwen3, tmp_path):
     """A script that starts a TP engine without the `__main__` guard: spawn runs it again in the
     worker, which dies before the rendezvous. Rank 0 raises within seconds, not after the
@@ -233,12 +237,6 @@ def test_a_worker_that_dies_starting_fails_at_once(tiny_qwen3, tmp_path):
     assert proc.returncode == 1 and time.monotonic() - start < 60, proc.stderr[-3000:]
     assert re.search(r"worker failed.*\nrank 1 \(pid \d+\) exited with code 1", proc.stderr)
     assert "if __name__ == '__main__'" in proc.stderr  # spawn's message, from the worker
-
-
-def test_second_engine_in_one_process_is_refused(tiny_qwen3):
-    with LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2):
-        with pytest.raises(RuntimeError, match="another process"):
-            LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
 
 
 def test_worker_error_reaches_rank0(tiny_qwen3):

@@ -231,7 +231,6 @@ MORE_BAD_REQUESTS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_REQUESTS)
 def test_bad_request_raises_and_engine_stays_usable(llm, reference, case):
     prompts, params, word = BAD_REQUESTS[case]
@@ -240,7 +239,6 @@ def test_bad_request_raises_and_engine_stays_usable(llm, reference, case):
     assert_engine_usable(llm, reference)
 
 
-@pytest.mark.slow
 def test_more_bad_requests_raise(llm, reference):
     """Further rejects, checked in one go to keep the file fast; one generation at the end."""
     for case, (prompts, params, word) in MORE_BAD_REQUESTS.items():
@@ -254,7 +252,6 @@ def test_more_bad_requests_raise(llm, reference):
     assert_engine_usable(llm, reference)
 
 
-@pytest.mark.slow
 def test_request_of_exactly_max_model_len_runs(llm, reference):
     """prompt + max_tokens == max_model_len fits the smallest cache: it must run, not hang."""
     prompt = [1] + [28] * (MAX_MODEL_LEN - 5)  # 124 tokens, 4 to generate
@@ -269,7 +266,6 @@ def test_unknown_setting_is_named():
         LLM("/nonexistent", max_num_seq=4)
 
 
-@pytest.mark.slow
 def test_numpy_token_ids_are_accepted(llm, reference):
     """Token ids from numpy (an int64 array, or a list of np.int32) give the same tokens as ints."""
     ids = llm.tokenizer.encode(PROBE)
