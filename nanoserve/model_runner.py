@@ -6,8 +6,9 @@ on the host (`prepare`), sends the ForwardContext to the other ranks (distribute
 rank runs `forward` and joins the collectives, and rank 0 alone samples.
 Does not own: which sequences run (scheduler), which blocks they hold (block_manager), the CUDA
 graphs (cuda_graphs) or the worker processes (distributed).
-Extension points on the device side: the attention backend (`cascade_attention`: each Attention
-layer's decode), the elementwise kernels (`fused_kernels`: layers.OPS), the cache dtype
+Extension points on the device side: the attention backends (`cascade_attention`: each Attention
+layer's decode; `batch_invariant`: its prefill and decode too), the elementwise kernels and
+products (`fused_kernels`, `batch_invariant`: layers.OPS), the cache dtype
 (`kv_cache_dtype="fp8"`), the sampling hooks (`sampling_hooks`: the logits before and after the
 sampler) and the forward pass (`forward`, which extensions.prefill_graphs replaces on the instance
 to replay a graph for a lone prompt's prefill). Each is looked up once, at start-up.

@@ -1,15 +1,16 @@
 """Batch invariance: on the GPU, a request's tokens and logprobs are the same bits in any batch.
 
-What it changes: every step whose order of additions followed the batch. Matrix products run
-through cuBLASLt with no workspace and no reduced-precision reduction, so no product is split
-along K (split-K) for a batch's row count, and a start-up check proves it for every weight shape.
-RMSNorm is one Triton program a row. Prefill and decode attention are one Triton kernel with no
-split-KV: a query token's row reads the same key tiles, in the same order, with the same
-arithmetic, whether it is one of a prompt's chunk, a lone decode or a speculative draft, so
+What it changes: every step whose order of additions followed the batch. 16-bit products run
+through cuBLASLt with a workspace too small to split K and no reduced-precision reduction, float32
+ones through a Triton kernel of one tile shape, and a start-up check proves every weight shape at
+1 to 4,096 rows. RMSNorm is one Triton program a row. Prefill and decode attention are one Triton
+kernel with no split-KV: a query token's row reads the same key tiles, in the same order, with the
+same arithmetic, whether it is in a prompt's chunk, a lone decode or a speculative draft, so
 preemption, prefix hits, any chunk size and speculation give the same bits (vLLM's and SGLang's
-deterministic modes, docs/performance.md). Where it plugs in, with `batch_invariant=True`: the
-elementwise ops (layers.OPS) and both attention backends; cascade attention and prefill graphs
-stay off. On the CPU nothing changes: float32 there is batch invariant already.
+deterministic modes; docs/performance.md, section 9, with its cost). Where it plugs in, with
+`batch_invariant=True`: the elementwise ops and products (layers.OPS, fused's per-row and
+per-element steps kept) and both attention backends; cascade attention and prefill graphs stay
+off. On the CPU nothing changes: float32 there is batch invariant already.
 """
 import dataclasses
 import functools
