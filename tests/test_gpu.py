@@ -1,7 +1,9 @@
 """On an NVIDIA GPU: nanoserve against transformers with the same random weights (Qwen3 and Llama
 shapes), comparing per-step logprobs the way vLLM's check_logprobs_close does (equal tokens until
 the first near-tie, logprobs within a tolerance); CUDA-graph decode against eager decode;
-prefix-cache hit against no hit. Skipped on machines without CUDA."""
+prefix-cache hit against no hit; with batch_invariant=True, bitwise the same tokens and logprobs
+in any batch, chunking, preemption and with speculation (and, as the negative control, not without
+it). Skipped on machines without CUDA."""
 import gc
 import itertools
 import os
