@@ -245,7 +245,7 @@ def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
                    ctx: ForwardContext, scale: float) -> Tensor:
     """The core's prefill attention: q (N, H, D) over every key as the cache holds it, prefix
     hits and new tokens ((Nk, Hkv, D), dequantized from an fp8 cache, as decode reads them)."""
-    if k_cache.numel():  # the profiling run, before the cache exists: the new k and v alone
+    if k_cache.numel():  # (the profiling run, before the cache exists, attends to k and v alone)
         k, v = OPS.gather_kv(k_cache, v_cache, ctx.context_slots, q.dtype)
     return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                      ctx.max_seqlen_q, ctx.max_seqlen_k, scale)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from nanoserve.config import Config
+from nanoserve.extensions.batch_invariant import CUBLAS_ENV
 from nanoserve.weights import default_model_dir
 
 # cuBLAS reads its workspace settings once a process, at its first product: set before any test,
 # the ones batch_invariant=True needs, so its engines can be built after others in this process
-for name, value in {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}.items():
+for name, value in CUBLAS_ENV.items():
     os.environ.setdefault(name, value)
 
 # Triton before 3.9 (3.6 on the GPU machines) converts a loaded scalar, a 1-element array in its

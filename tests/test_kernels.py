@@ -965,9 +965,8 @@ def check_invariant_attention(device: str, dtype: torch.dtype, group: int, Hkv: 
     cu_q, cu_k = cu_seqlens(lens_q).to(device), cu_seqlens(seq_lens).to(device)
     out = batch_invariant.attention(q, k_cache, v_cache, block_tables, cu_q,
                                     cu_k[1:] - cu_k[:-1], max(lens_q), D**-0.5)
-    slots = torch.cat([block_tables[s, torch.arange(n) // B].long().cpu() * B + torch.arange(n) % B
-                       for s, n in enumerate(seq_lens)]).to(device)
-    k, v = kernels.gather_kv(k_cache, v_cache, slots, torch.float32)
+    k, v = kernels.gather_kv(k_cache, v_cache, context_slots(block_tables, seq_lens, B),
+                             torch.float32)
     ref = kernels.prefill_attention_ref(q.float(), k, v, cu_q, cu_k, max(lens_q), max(seq_lens),
                                         D**-0.5)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
