@@ -75,8 +75,9 @@ from bench_utils import (
     log,
     summarize_gpu,
 )
+from nanoserve.model_runner import Extension
 
-if TYPE_CHECKING:   # imported lazily at run time: transformers takes seconds to import
+if TYPE_CHECKING:  # names for the type hints; the peers import transformers where they run
     from transformers import PreTrainedModel
     from transformers.generation.continuous_batching import ContinuousBatchingManager
 
@@ -275,21 +276,16 @@ def nanoserve_params(wl: Workload, guided: str = "off", run: int = 0) -> list:
                            guided_decoding=schema) for n, schema in zip(wl.output_lens, schemas)]
 
 
-class FirstTokens:
-    """An engine observer: when each request of a run got its first token, in seconds since
-    the run began (all its requests arrive then)."""
+class FirstTokens(Extension):
+    """An engine Extension (its after_step hook; in LLMEngine.extensions for one run): when each
+    request of a run got its first token, in seconds since the run began (all its requests
+    arrive then)."""
 
     def __init__(self) -> None:
         self.start, self.seconds = time.perf_counter(), {}
         self.last, self.decode = None, []  # decode steps: (batch size, seconds since the last)
 
-    def on_tokens(self, *args) -> None:
-        pass
-
-    def on_abort(self, seq) -> None:
-        pass
-
-    def after_step(self, batch, finished: list) -> list:
+    def after_step(self, batch, finished: list) -> None:
         now = time.perf_counter() - self.start
         for seq in batch.seqs:
             if seq.num_output_tokens and seq.seq_id not in self.seconds:
@@ -297,7 +293,6 @@ class FirstTokens:
         if self.last is not None and not batch.is_prefill:
             self.decode.append((len(batch.seqs), now - self.last))
         self.last = now
-        return []
 
     def decode_step_ms(self) -> float:
         """The decode step's period as an output token sees it: the median over tokens (a step
@@ -347,13 +342,12 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
 
         def generate(w: Workload) -> list[int]:
             # the first timed run is recorded (repeats are relabeled copies), every run timed
-            observers = [FirstTokens()] + ([Timeline(llm.config, llm.scheduler)]
-                                           if timeline_path and w is wl else [])
+            observers = [FirstTokens()] + ([Timeline(llm)] if timeline_path and w is wl else [])
             steps.append(0)
             params = nanoserve_params(w, guided, len(steps))
-            llm.observers += observers
+            llm.extensions += observers  # (the list itself: the model runner holds it too)
             outs = llm.generate(w.prompts, params, use_tqdm=False)
-            del llm.observers[-len(observers):]
+            del llm.extensions[-len(observers):]
             first_tokens.append(observers[0])
             recorded.extend(observers[1:])  # one run recorded: the engine stops recording
             return [len(o["token_ids"]) for o in outs]
@@ -361,10 +355,11 @@ def nanoserve_engine(model_dir: str, wl: Workload, args: argparse.Namespace, dev
         yield generate
         log(f"   engine steps per run: {', '.join(map(str, steps[1:]))} (warm-up: {steps[0]})")
         log(f"   time to first token: {'; '.join(f.summary() for f in first_tokens[1:])}")
-        if (stats := getattr(llm.loop, "stats", None)) is not None:
-            log(f"   speculation (warm-up included): {stats.num_draft_tokens:,} tokens drafted, "
-                f"{stats.num_accepted_tokens:,} accepted, {stats.mean_accepted_length:.2f} tokens "
-                "per sequence-step with drafts")
+        if counts := llm.loop.counts():  # speculation's
+            mean = 1 + counts["num_accepted_tokens"] / max(counts["num_drafts"], 1)
+            log(f"   speculation (warm-up included): {counts['num_draft_tokens']:,} tokens "
+                f"drafted, {counts['num_accepted_tokens']:,} accepted, {mean:.2f} tokens per "
+                "sequence-step with drafts")
     if recorded:  # drawn after the timing
         recorded[0].plot(timeline_path)
         log(f"wrote {timeline_path}")

@@ -7,17 +7,17 @@ first; a batch of S sequences replays the smallest captured size >= S, its padde
 into the KV cache's spare block (slot -1) and attending to nothing (context 0).
 The LM head runs outside the graphs, but only at captured sizes, all run once at capture: a GEMM
 shape cuBLAS meets for the first time loads a kernel lazily, which stalls the host.
-Owned and called by model_runner on the GPU (not with enforce_eager). A prefill runs eagerly, but
-extensions.prefill_graphs captures graphs for lone prompts in the same memory pool.
+Owned and called by model_runner on the GPU (not with enforce_eager), through the graph runner's
+two verbs: `can_replay(inputs)`, then `replay(inputs, input_ids)`. A prefill runs eagerly here;
+extensions.prefill_graphs' runner, a DecodeGraphs that also replays lone prompts, is the other.
 """
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from nanoserve.layers import ForwardContext, forward_context
+from nanoserve.layers import Backends, ForwardContext, forward_context
 from nanoserve.models import DecoderModel
 
 GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch sizes captured
@@ -37,11 +37,11 @@ def pinned(array: np.ndarray) -> Tensor:
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
                  make_context: Callable[[ForwardContext], ForwardContext],
-                 cascade: Any = None) -> None:
-        """Capture a graph for every size up to max_batch, and with cascade attention's shared
-        prefix too at the sizes where cascade (the extension's backend, None: off) uses it; all
-        share one memory pool. make_context: the model runner's, which builds every context."""
-        self.model, self.make_context = model, make_context
+                 backends: Backends) -> None:
+        """Capture a graph for every size up to max_batch, and one with cascade attention's
+        shared prefix too at the sizes where the backends look for one; all share one memory
+        pool. make_context: the model runner's, which builds every context."""
+        self.model, self.make_context, self.max_batch = model, make_context, max_batch
         self.buffers = {  # static inputs and output that every graph reads and writes
             "input_ids": torch.zeros(max_batch, dtype=torch.int64),
             "positions": torch.zeros(max_batch, dtype=torch.int64),
@@ -54,7 +54,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool that all graphs share
         # largest first: the smaller ones reuse its memory
         for bs in reversed([b for b in GRAPH_BATCH_SIZES if b <= max_batch]):
-            for shared in {False, cascade is not None and cascade.use_prefix(bs)}:
+            for shared in {False, backends.common_blocks is not None
+                           and bs >= backends.common_blocks_from}:
                 self.graphs[bs, shared] = self._capture(bs, shared)
             model.lm_head(self.buffers["hidden"][:bs])  # load the LM head's GEMM kernel now
         torch.cuda.synchronize()
@@ -70,6 +71,10 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, self.pool):
                 b["hidden"][:] = self.model(b["input_ids"], b["positions"])
         return graph
+
+    def can_replay(self, inputs: ForwardContext) -> bool:
+        """A decode batch that fits a captured graph."""
+        return not inputs.is_prefill and len(inputs.positions) <= self.max_batch
 
     def replay(self, inputs: ForwardContext, input_ids: Tensor) -> Tensor:
         """Run the decode forward of inputs; returns (graph size, hidden), padded rows included."""

@@ -8,10 +8,10 @@ the heads / of the MLP), o and down are row-parallel (partial sums, then one all
 embedding and LM head are split by vocab. With one rank every collective is skipped.
 The forward context carries the batch layout (cu_seqlens, slot_mapping, block_tables...) from the
 model runner to the Attention layers without threading it through every forward signature.
-Each layer's forward is the plain computation. Two extension points live here: `OPS`, the
-elementwise steps (extensions.fused swaps in one Triton kernel for norm + rotary + KV store, and
-compiled ones for the rest), and Attention's prefill and decode backends (extensions.cascade,
-extensions.batch_invariant).
+Each layer's forward is the plain computation, through the `Backends` it was built with: the
+device side's extension point, chosen once by the model runner (an extension whose setting is on
+gives others: extensions.fused one Triton kernel for norm + rotary + KV store and compiled ones
+for the rest, extensions.cascade its decode attention, extensions.batch_invariant its own).
 Owns no weights' file format (weights.py) and no kernel (kernels/).
 """
 from collections.abc import Callable, Iterator
@@ -42,7 +42,7 @@ Array = np.ndarray | Tensor  # a host array (prepare, the workers' copy) or a de
 class ForwardContext:
     """A batch's layout for one forward pass. The model runner's prepare() builds it of host arrays
     (what rank 0 sends the workers); on the device the same fields hold tensors, read by Attention
-    (and OPS.norm_rotary_store); a CUDA graph's capture passes its buffers."""
+    (and the backends' norm_rotary_store); a CUDA graph's capture passes its buffers."""
     is_prefill: bool
     input_ids: Array | None = None  # (N,) int64
     positions: Array | None = None  # (N,) int64
@@ -100,31 +100,54 @@ def norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor, attn: 
     return q, k
 
 
+# ---- attention, and the backends -----------------------------------------------------------------
+def paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 ctx: ForwardContext, scale: float) -> Tensor:
+    """The core's decode attention: q (S, H, D), one token per row, over its sequence's blocks
+    (k and v, already in the cache, are not read again)."""
+    return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+
+
+def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   ctx: ForwardContext, scale: float, gather_kv: Callable = kernels.gather_kv
+                   ) -> Tensor:
+    """The core's prefill attention: q (N, H, D) over every key as the cache holds it, prefix
+    hits and new tokens ((Nk, Hkv, D), dequantized from an fp8 cache, as decode reads them)."""
+    if k_cache.numel():  # (the profiling run, before the cache exists, attends to k and v alone)
+        k, v = gather_kv(k_cache, v_cache, ctx.context_slots, q.dtype)
+    return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                     ctx.max_seqlen_q, ctx.max_seqlen_k, scale)
+
 @dataclass
-class Ops:
-    """The elementwise steps of a forward pass, each a plain function here; extensions.fused
-    gives fused ones. The model runner installs one Ops as OPS at start-up."""
+class Backends:
+    """What the model computes with: the plain steps here. The model runner chooses one Backends
+    when it is built, before the model (an extension whose setting is on gives other steps), and
+    every layer keeps the one it was built with."""
     rms_norm: Callable = kernels.rms_norm_ref
     add_rms_norm: Callable = add_rms_norm
     silu_and_mul: Callable = silu_and_mul
     norm_rotary_store: Callable = norm_rotary_store
-    gather_kv: Callable = kernels.gather_kv
-    sample: Callable = kernels.sample
     linear: Callable = F.linear  # y = x W^T + b, the products of every linear layer
-
-
-OPS = Ops()
+    prefill_attention: Callable = varlen_prefill  # both: (q, k, v, k_cache, v_cache, ctx, scale)
+    decode_attention: Callable = paged_decode
+    sample: Callable = kernels.sample  # the model runner's sampler
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    # cascade: a decode batch of common_blocks_from rows or more asks common_blocks(block_tables,
+    # context_lens) for the blocks all its rows share ((1,) int32)
+    common_blocks: Callable | None = None
+    common_blocks_from: int = 0
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, backends: Backends) -> None:
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(size))
+        self.eps, self.weight, self.backends = eps, nn.Parameter(torch.ones(size)), backends
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMS-normalize x; with a residual, first add it (fused add + norm); return the sum too."""
-        return (OPS.rms_norm(x, self.weight, self.eps) if residual is None
-                else OPS.add_rms_norm(x, residual, self.weight, self.eps))
+        if residual is None:
+            return self.backends.rms_norm(x, self.weight, self.eps)
+        return self.backends.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -157,9 +180,10 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across ranks. `output_sizes` lists the packed parts
     (q, k, v or gate, up); each part is split separately: each rank holds a slice of every part."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], backends: Backends,
+                 bias: bool = False) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size, self.backends = *tp_rank_and_size(), backends
         assert all(size % self.tp_size == 0 for size in output_sizes)
         self.shard_sizes = [size // self.tp_size for size in output_sizes]
         out = sum(self.shard_sizes)
@@ -172,15 +196,15 @@ class ColumnParallelLinear(nn.Module):
         param.data[start:start + size].copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: Tensor) -> Tensor:
-        return OPS.linear(x, self.weight, self.bias)
+        return self.backends.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks: partial sums, then all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int) -> None:
+    def __init__(self, input_size: int, output_size: int, backends: Backends) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size, self.backends = *tp_rank_and_size(), backends
         self.shard_size = input_size // self.tp_size
         self.weight = sharded_parameter(self.weight_loader, output_size, self.shard_size)
 
@@ -188,7 +212,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.shard_size, self.shard_size))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = OPS.linear(x, self.weight)
+        y = self.backends.linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
@@ -197,9 +221,9 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding split by vocab rows across ranks: each looks up its own ids, then all-reduce."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, backends: Backends) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size, self.backends = *tp_rank_and_size(), backends
         self.shard_size = cdiv(vocab_size, self.tp_size)  # the last shard zero-padded
         self.vocab_size, self.vocab_start = vocab_size, self.tp_rank * self.shard_size
         self.weight = sharded_parameter(self.weight_loader, self.shard_size, hidden_size)
@@ -224,7 +248,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: Tensor, rows: Tensor | None = None) -> Tensor | None:
         """hidden (N, hidden) -> logits (rows, V) on rank 0, None elsewhere. rows: which of
         hidden's rows (prefill: each sequence's last token); None: all (decode)."""
-        logits = OPS.linear(hidden if rows is None else hidden[rows], self.weight)  # (rows, V / tp)
+        # (rows, V / tp)
+        logits = self.backends.linear(hidden if rows is None else hidden[rows], self.weight)
         if self.tp_size == 1:
             return logits
         # rank 0 gathers every rank's slice of the vocab; the others only send theirs
@@ -234,36 +259,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 # ---- attention -----------------------------------------------------------------------------------
-def paged_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 ctx: ForwardContext, scale: float) -> Tensor:
-    """The core's decode attention: q (S, H, D), one token per row, over its sequence's blocks
-    (k and v, already in the cache, are not read again)."""
-    return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
-
-
-def varlen_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   ctx: ForwardContext, scale: float) -> Tensor:
-    """The core's prefill attention: q (N, H, D) over every key as the cache holds it, prefix
-    hits and new tokens ((Nk, Hkv, D), dequantized from an fp8 cache, as decode reads them)."""
-    if k_cache.numel():  # (the profiling run, before the cache exists, attends to k and v alone)
-        k, v = OPS.gather_kv(k_cache, v_cache, ctx.context_slots, q.dtype)
-    return kernels.prefill_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                     ctx.max_seqlen_q, ctx.max_seqlen_k, scale)
-
-
 class Attention(nn.Module):
-    """The paged KV cache of one layer, and attention over it: varlen flash attention for prefill,
-    the decode backend for decode (the paged-decode kernel, unless an extension gives another).
-    Both read K and V as the cache holds them (with an fp8 cache, rounded), so a prompt's output
-    does not depend on whether its prefix was cached."""
+    """The paged KV cache of one layer, and attention over it: the backends' prefill attention
+    (varlen flash attention) and decode attention (the paged-decode kernel). Both read K and V as
+    the cache holds them (with an fp8 cache, rounded), so a prompt's output does not depend on
+    whether its prefix was cached."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 backends: Backends) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale, self.backends = head_dim ** -0.5, backends
         self.k_cache = self.v_cache = torch.tensor([])  # (num_blocks, B, Hkv, D), set by the runner
-        # extension points: cascade's decode, batch_invariant's prefill and decode
-        self.prefill_backend, self.decode_backend = varlen_prefill, paged_decode
 
     def store_kv(self, k: Tensor, v: Tensor) -> None:
         """Write the new tokens' k and v (N, Hkv, D) into the cache at their slots."""
@@ -273,5 +280,7 @@ class Attention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (N, H, D), k and v (N, Hkv, D) of the new tokens, already in the cache -> (N, H, D)."""
         ctx = get_forward_context()  # decode: one new token per sequence against its blocks
-        backend = self.prefill_backend if ctx.is_prefill else self.decode_backend
-        return backend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        if ctx.is_prefill:
+            return self.backends.prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx,
+                                                   self.scale)
+        return self.backends.decode_attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

@@ -3,11 +3,12 @@
 It tokenizes and validates requests, loops until they finish, and returns outputs in prompt order.
 Owns: the tokenizer, request validation (bad input raises before anything is scheduled, and the
 engine stays usable), the engine loop, streaming text and the progress bar.
-Extension points (each extension attaches at one, see nanoserve/extensions/):
-- the step loop: `self.loop`, None for the plain loop in `step()` (overlap scheduling);
-- a step's outputs: `self.observers`, StepObservers that see each step's tokens and its end
-  (stop strings, logprobs, the trace, the timeline); the model runner's `sampling_hooks` see the
-  logits before and after sampling.
+Extension points, three, each declared here or in the model runner (nanoserve/extensions/):
+- Extensions (model_runner.Extension): hooks at fixed points of a step and a request, called in
+  the order of `self.extensions`; `switch_on` is the one way one joins, whether a setting or a
+  request field asks (EXTENSIONS says which and in what order);
+- the step loop (`StepLoop`: step, finish, cancel, progress, counts), composed by `_make_loop`;
+- the backends and the graph runner, chosen by the model runner when it is built.
 Does not own: batching policy (scheduler), tensors (model_runner), worker processes (distributed).
 Invariant: after generate() returns or raises, no sequence of that call is left in the scheduler.
 """
@@ -16,40 +17,67 @@ import gc
 import numbers
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, fields
 
 import numpy as np
-from tokenizers.decoders import DecodeStream
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, GenerationConfig
 
 from nanoserve.config import Config, SamplingParams, extension
 from nanoserve.distributed import Workers
-from nanoserve.model_runner import ModelRunner, StepOutput
+from nanoserve.model_runner import Extension, ModelRunner, StepOutput
 from nanoserve.scheduler import Batch, Scheduler
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import Sequence, TextStream
 from nanoserve.weights import default_model_dir
 
-# SamplingParams fields that ask for an extension when not at their default: field -> extension
+# the Extensions: module in nanoserve/extensions/ -> its class, in the order their hooks run
+# (guided masks the logits before top-k/p chooses among them)
+EXTENSIONS = {"guided": "Guided", "top_k_top_p": "TopKTopP", "logprobs": "Logprobs",
+              "stop_strings": "StopStrings", "trace": "Trace", "timeline": "Timeline"}
+# SamplingParams fields that switch an Extension on when not at their default: field -> module
 REQUEST_EXTENSIONS = {"stop": "stop_strings", "logprobs": "logprobs", "top_k": "top_k_top_p",
                       "top_p": "top_k_top_p", "guided_decoding": "guided"}
 
 
-class StepObserver:
-    """Extension point "a step's outputs": every hook a no-op here; an extension overrides the
-    ones it needs and is added to LLMEngine.observers."""
+class StepLoop:
+    """The step loop's verbs, and the plain loop: schedule a batch, run it, wait for its tokens,
+    record them; each step after the one before. An extension's loop (overlap scheduling,
+    speculative decoding) keeps the verbs and runs the same calls in another order."""
 
-    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
-        """A step's sampled tokens (host lists, synced), before the scheduler records them."""
+    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner,
+                 postprocess: Callable[[Batch, StepOutput, list[int]], list[Sequence]] | None
+                 = None) -> None:
+        """postprocess: the engine's (LLMEngine.postprocess); by default the scheduler's alone."""
+        self.scheduler, self.model_runner = scheduler, model_runner
+        self.postprocess = postprocess or (lambda b, _, tokens: scheduler.postprocess(b, tokens))
 
-    def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
-        """The step is recorded; return the sequences this extension finished in it."""
-        return []
+    def step(self) -> tuple[list[Sequence], Batch]:
+        """Run one batch and record its tokens; return the sequences that finished and the batch."""
+        batch = self.scheduler.schedule()
+        try:
+            out = self.model_runner.run(batch)
+            token_ids = out.tolist()
+        except BaseException:
+            self.scheduler.cancel(batch)  # its prompts wait again
+            raise
+        return self.postprocess(batch, out, token_ids), batch
 
-    def on_abort(self, seq: Sequence) -> None:
-        """seq was aborted between steps."""
+    def finish(self) -> tuple[list[Sequence], Batch] | None:
+        """Record the step still in flight, if any, and return it as step() does (none here)."""
+
+    def cancel(self) -> None:
+        """Drop the step still in flight, if any, after a failure (none here)."""
+
+    @property
+    def progress(self) -> str:
+        """The loop's own figures, for the progress bar and the trace (none here)."""
+        return ""
+
+    def counts(self, seq: Sequence | None = None) -> dict[str, int]:
+        """The loop's own counts, for one request or since start-up (none here)."""
+        return {}
 
 
 @dataclass
@@ -65,40 +93,6 @@ class RequestOutput:
     num_output_tokens: int  # so far
 
 
-class TextStream:
-    """Incremental detokenization of one sequence's output.
-
-    Decoding each new token alone goes wrong twice: a character of several bytes spans several
-    tokens (a part decodes to U+FFFD), and tokenizers drop a word's leading space when its token
-    starts the text. The tokenizers library's DecodeStream gets both right: it returns a token's
-    text once its characters are complete (else None). A request that ends mid-character ends
-    with U+FFFD, as a whole decode shows it."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, streamed: bool) -> None:
-        self.tokenizer, self.streamed = tokenizer, streamed
-        self.decoder = DecodeStream(skip_special_tokens=True)
-        self.num_decoded = self.num_complete = 0  # output tokens decoded; of those, in the text
-        self.text = ""
-        self.num_sent_chars = self.num_sent_tokens = 0  # handed out by delta() / stream_step()
-
-    def update(self, token_ids: list[int], finished: bool) -> None:
-        """Take the output tokens so far."""
-        for i in range(self.num_decoded, len(token_ids)):
-            piece = self.decoder.step(self.tokenizer.backend_tokenizer, token_ids[i])
-            if piece is not None:
-                self.text, self.num_complete = self.text + piece, i + 1
-        self.num_decoded = len(token_ids)
-        if finished and self.num_complete < len(token_ids):  # the end of a broken character
-            self.text += self.tokenizer.decode(token_ids[self.num_complete:],
-                                               skip_special_tokens=True)
-            self.num_complete = len(token_ids)  # (a finished sequence may be seen again)
-
-    def delta(self, finished: bool) -> str:
-        """The text not handed out yet (a stop-string stream holds back its end)."""
-        out, self.num_sent_chars = self.text[self.num_sent_chars:], len(self.text)
-        return out
-
-
 class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it down at the end
     def __init__(self, model: str | None = None, **kwargs) -> None:
         names = [f.name for f in fields(Config)]
@@ -110,37 +104,49 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         # ranks 1..N-1 in their own processes
         self.workers = Workers(cfg, ModelRunner) if cfg.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
+        self.extensions: list[Extension] = []  # in EXTENSIONS' order; the model runner's too
+        self.switched_on: dict[str, Extension] = {}  # module -> its Extension, for switch_on
         atexit.register(self.shutdown)
         try:  # a model runner that fails to start: the workers already started stop
-            self.model_runner = ModelRunner(cfg, workers=self.workers)
+            self.model_runner = ModelRunner(cfg, workers=self.workers, extensions=self.extensions)
         except BaseException:
             self.shutdown()
             raise
         self.scheduler = Scheduler(cfg, self._eos_token_ids())
         self.streams: dict[int, TextStream] = {}  # seq_id -> its text, for streams and stops
-        self.loop = None  # the step loop: None for step()'s plain one
-        self.observers: list[StepObserver] = []  # a step's outputs
-        self.extensions: dict[str, object] = {}  # name -> what its attach() returned
-        self.timeline = None  # with timeline=True, the record of every step
         self.num_sampled = 0  # tokens sampled since start-up
-        # overlap on one rank only: TP workers never see the sampled tokens, and rank 0's wait
-        # for them is also what tells it the workers have read a call before the next one
-        for name, on in (("overlap", cfg.overlap_scheduling and self.workers is None),
-                         ("speculative", cfg.speculative_method), ("trace", cfg.trace),
-                         ("timeline", cfg.timeline), ("prefill_graphs", cfg.prefill_graphs
-                                                      and self.model_runner.graphs is not None)):
-            if on:
-                self._attach(name)
+        self.loop = self._make_loop()
+        if cfg.trace:
+            self.switch_on("trace")
+        # with timeline=True, the record of every step
+        self.timeline = self.switch_on("timeline") if cfg.timeline else None
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
         # out of Python's full garbage collections, which scan every object alive and pause the
         # engine while they do (docs/performance.md); shutdown unfreezes them.
         gc.collect()
         gc.freeze()
 
-    def _attach(self, name: str) -> None:
-        """Import extension `name` (ValueError if it is missing) and let it attach itself."""
-        if name not in self.extensions:
-            self.extensions[name] = extension(name).attach(self)
+    def switch_on(self, name: str) -> Extension:
+        """The one way an Extension joins the engine, whether a setting or a request field asks:
+        import module `name` (ValueError if it is missing), build its Extension once, and place it
+        in self.extensions by EXTENSIONS' order. Returns it."""
+        if name not in self.switched_on:
+            self.switched_on[name] = getattr(extension(name), EXTENSIONS[name])(self)
+            on = [self.switched_on[n] for n in EXTENSIONS if n in self.switched_on]
+            self.extensions[:] = on + [e for e in self.extensions if e not in on]  # (bench's last)
+        return self.switched_on[name]
+
+    def _make_loop(self) -> StepLoop:
+        """The step loop, composed here once: the plain loop, or overlap's on one rank (TP
+        workers never see the sampled tokens, and rank 0's wait for them is also what tells it
+        the workers have read a call before the next one); speculation's on top of either, which
+        runs its steps without drafts."""
+        cfg, parts = self.config, (self.scheduler, self.model_runner, self.postprocess)
+        overlap = cfg.overlap_scheduling and self.workers is None
+        loop = extension("overlap").OverlapLoop(*parts) if overlap else StepLoop(*parts)
+        if cfg.speculative_method:
+            loop = extension("speculative").SpeculativeLoop(self, fallback=loop)
+        return loop
 
     def _eos_token_ids(self) -> set[int]:
         ids = [self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id]
@@ -161,7 +167,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         for field, name in REQUEST_EXTENSIONS.items():
             if getattr(params, field) != SamplingParams.__dataclass_fields__[field].default:
-                self._attach(name)
+                self.switch_on(name)
         if not isinstance(prompt, (str, list, tuple, np.ndarray)):
             raise ValueError("a prompt must be a string or a list of token ids, got "
                              f"{type(prompt).__name__}")
@@ -194,11 +200,13 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         return seq
 
     def _follow_text(self, seq: Sequence, streamed: bool) -> None:
-        """Decode seq's text step by step when it is streamed or has stop strings, which are
-        matched on the text as it grows; otherwise it is decoded once, when it finishes."""
-        if seq.params.stop:
-            self.streams[seq.seq_id] = self.extensions["stop_strings"].stream(seq, streamed)
-        elif streamed:
+        """The extensions see the new request; one may follow its text (stop strings, matched on
+        the text as it grows). Otherwise a streamed one is decoded step by step, and any other
+        once, when it finishes."""
+        for ext in self.extensions:
+            if (text := ext.on_request(seq, streamed)) is not None:
+                self.streams[seq.seq_id] = text
+        if streamed and seq.seq_id not in self.streams:
             self.streams[seq.seq_id] = TextStream(self.tokenizer, streamed)
 
     def abort_request(self, seq: Sequence) -> None:
@@ -206,8 +214,8 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         self._check_running()
         self.scheduler.abort([seq])
         self.streams.pop(seq.seq_id, None)
-        for observer in self.observers:
-            observer.on_abort(seq)
+        for ext in self.extensions:
+            ext.on_abort(seq)
 
     def has_unfinished(self) -> bool:
         self._check_running()
@@ -215,7 +223,9 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
 
     def stream_step(self) -> list[RequestOutput]:
         """Run one step (none when idle); return what it added to each streamed request."""
-        _, batch = self.step() if self.has_unfinished() else ([], Batch.decode([]))
+        if not self.has_unfinished():
+            return []
+        _, batch = self.step()
         return [out for seq in batch.seqs if (out := self._stream_output(seq)) is not None]
 
     def stream(self, prompt: str | list[int],
@@ -233,27 +243,22 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
     def step(self) -> tuple[list[Sequence], Batch]:
         """Run one batch and record its tokens; return the sequences that finished and the batch."""
         self._check_running()
-        if self.loop is not None:  # an extension's loop: the same calls in another order
-            finished, batch = self.loop.step()
-        else:
-            batch = self.scheduler.schedule()
-            try:
-                out = self.model_runner.run(batch)
-                token_ids = out.tolist()
-            except BaseException:
-                self.scheduler.cancel(batch)  # its prompts wait again
-                raise
-            finished = self.postprocess(batch, out, token_ids)
-        for observer in self.observers:
-            finished += observer.after_step(batch, finished)
+        finished, batch = self.loop.step()
+        for ext in self.extensions:
+            ext.after_step(batch, finished)
         return finished, batch
 
     def postprocess(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
-        """Hand a step's tokens to the observers, then to the scheduler; return the finished."""
-        for observer in self.observers:
-            observer.on_tokens(batch, out, token_ids)
+        """Record a step's tokens (the loop calls it; speculation once per round of a step): the
+        extensions see them, the scheduler records them, the extensions finish what they stop.
+        Returns the finished."""
+        for ext in self.extensions:
+            ext.on_tokens(batch, out, token_ids)
         self.num_sampled += len(token_ids)  # for the progress bar (a prompt's chunks count too)
-        return self.scheduler.postprocess(batch, token_ids)
+        finished = self.scheduler.postprocess(batch, token_ids)
+        for ext in self.extensions:
+            finished += ext.after_tokens(batch)
+        return finished
 
     def _stream_output(self, seq: Sequence) -> RequestOutput | None:
         """What the last step added to a streamed request, or None (nothing, or not streamed)."""
@@ -312,18 +317,15 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
                 finished, batch = self.step()
                 rate = (self.num_sampled - first) / (time.perf_counter() - start)
                 # a step loop may add figures of its own (speculation: its acceptance)
-                bar.set_postfix_str(f"{rate:,.0f} tokens/s{getattr(self.loop, 'progress', '')}",
-                                    refresh=False)
+                bar.set_postfix_str(f"{rate:,.0f} tokens/s{self.loop.progress}", refresh=False)
                 for seq in (seq for seq in finished if seq.seq_id in ids):
                     text = self.streams.get(seq.seq_id)  # with stop strings: cut there
                     texts[seq.seq_id] = text.text if text is not None else self.tokenizer.decode(
                         seq.output_token_ids, skip_special_tokens=True)
                     bar.update(1)
-            if self.loop is not None:
-                self.loop.finish()  # a step launched for sequences that turned out finished
+            self.loop.finish()  # a step launched for sequences that turned out finished
         finally:
-            if self.loop is not None:
-                self.loop.cancel()  # after a failure: drop the step in flight
+            self.loop.cancel()  # after a failure: drop the step in flight
             if use_tqdm and not sys.stderr.isatty():  # a log file: the bar's one line
                 print(bar, file=sys.stderr)
             bar.close()

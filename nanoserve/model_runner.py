@@ -6,12 +6,11 @@ on the host (`prepare`), sends the ForwardContext to the other ranks (distribute
 rank runs `forward` and joins the collectives, and rank 0 alone samples.
 Does not own: which sequences run (scheduler), which blocks they hold (block_manager), the CUDA
 graphs (cuda_graphs) or the worker processes (distributed).
-Extension points on the device side: the attention backends (`cascade_attention`: each Attention
-layer's decode; `batch_invariant`: its prefill and decode too), the elementwise kernels and
-products (`fused_kernels`, `batch_invariant`: layers.OPS), the cache dtype
-(`kv_cache_dtype="fp8"`), the sampling hooks (`sampling_hooks`: the logits before and after the
-sampler) and the forward pass (`forward`, which extensions.prefill_graphs replaces on the instance
-to replay a graph for a lone prompt's prefill). Each is looked up once, at start-up.
+Extension points: the host side's Extensions (`Extension`, in the engine's list; the runner
+calls their sampling hooks), and on the device side the backends (`_choose_backends`: what the
+layers compute with, the cache dtype, cascade's shared prefix) and the graph runner (decode
+graphs, or extensions.prefill_graphs' that replay a lone prompt's prefill too), each chosen once,
+when the runner is built, from the settings.
 Invariant: the KV cache is sized once, at start-up, before any request is admitted.
 Called by: llm_engine (run, shutdown), extensions.overlap (run with input ids on the device).
 """
@@ -31,7 +30,7 @@ from nanoserve.distributed import DIST_TIMEOUT, PEER_EXIT_WAIT_SECONDS, Workers
 from nanoserve.layers import ForwardContext, forward_context
 from nanoserve.models import DecoderModel
 from nanoserve.scheduler import Batch
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import Sequence, TextStream
 from nanoserve.weights import load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on the CPU when num_kvcache_blocks is not given: 1 GiB
@@ -63,22 +62,46 @@ class StepOutput:
         return self.host.tolist()
 
 
-class SamplingHook:
-    """Extension point "the logits before sampling" (and after): no-ops here."""
+class Extension:
+    """The host side's extension point: hooks called at fixed points of a step and of a request's
+    life, for each extension in the engine's list, in its order (LLMEngine.switch_on). All are
+    no-ops here; an extension overrides the ones it needs. The model runner calls the two around
+    sampling (rank 0), the engine the others."""
+
+    def __init__(self, engine: object) -> None:
+        """Built once by LLMEngine.switch_on, given the engine."""
+
+    def on_request(self, seq: Sequence, streamed: bool) -> TextStream | None:
+        """A request passed validation; return a TextStream to follow its text with, or None."""
 
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
-        return logits  # (S, V)
+        """The logits (S, V) the sampler draws from: these, or changed ones."""
+        return logits
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
-        """May add host copies to out.extras (they are waited for with the tokens)."""
+        """The model's logits and the tokens; may add host copies to out.extras (waited for with
+        the tokens)."""
+
+    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
+        """A step's tokens (host lists, synced), before the scheduler records them."""
+
+    def after_tokens(self, batch: Batch) -> list[Sequence]:
+        """The tokens are recorded; return the sequences this extension finishes now."""
+        return []
+
+    def after_step(self, batch: Batch, finished: list[Sequence]) -> None:
+        """A whole engine step is done (with speculation: every round of it)."""
+
+    def on_abort(self, seq: Sequence) -> None:
+        """seq was aborted between steps."""
 
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, port: int | None = None,
-                 workers: Workers | None = None) -> None:
+                 workers: Workers | None = None, extensions: list[Extension] | None = None) -> None:
         """rank 0 passes the Workers it started (none with one rank), whose port the ranks meet
-        at; ranks > 0 pass that port and no Workers."""
+        at, and the engine's Extensions; ranks > 0 pass that port and no Workers."""
         self.config, self.rank, self.workers = config, rank, workers
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
@@ -94,20 +117,38 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         k = config.num_speculative_tokens if config.speculative_method else 0
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
-        # rng: the sampler's keys for unseeded rows
-        self.model, self.rng = self._build_model(), np.random.default_rng()
-        triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
-        fused = extension("fused").ops() if config.fused_kernels and triton else layers.Ops()
-        invariant = config.batch_invariant and triton  # its own ops and attention backends
-        layers.OPS = extension("batch_invariant").attach(self.model, fused) if invariant else fused
-        self.cascade = (extension("cascade").Cascade(self.model, config)
-                        if config.cascade_attention and triton and not invariant else None)
-        self.sampling_hooks: list[SamplingHook] = []
+        self.backends = self._choose_backends()
+        self.model, self.rng = self._build_model(), np.random.default_rng()  # rng: unseeded keys
+        self.extensions = [] if extensions is None else extensions  # (the engine's list itself)
         self.allocate_kv_cache()
-        # decode graphs, captured on the device; None: every decode step runs eagerly
+        # the graph runner, captured on the device; None: every step runs eagerly
+        self.graphs = self._capture_graphs() if use_graphs else None
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        """The graph runner, chosen by setting: the decode graphs, or extensions.prefill_graphs'
+        (a lone prompt's prefill too) on one rank, and not with batch_invariant (whose prefill
+        attention runs eagerly)."""
+        cfg = self.config
+        prefill = cfg.prefill_graphs and cfg.tensor_parallel_size == 1 and not cfg.batch_invariant
+        runner = extension("prefill_graphs").PrefillGraphs if prefill else DecodeGraphs
         with self.device, torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, self.max_graph_batch, self.max_blocks_per_seq,
-                                       self._context, self.cascade) if use_graphs else None
+            return runner(self.model, self.max_graph_batch, self.max_blocks_per_seq,
+                          self._context, self.backends)
+
+    def _choose_backends(self) -> layers.Backends:
+        """The device side's extension point: what the layers compute with, chosen once, before
+        the model is built. Each extension whose setting is on builds on the backends chosen
+        before it (batch_invariant replaces its products, norms and attention, fused's other
+        steps stay)."""
+        cfg, backends = self.config, layers.Backends()
+        triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
+        for name, on in (("fused", cfg.fused_kernels and triton),
+                         ("cascade", cfg.cascade_attention and triton and not cfg.batch_invariant),
+                         ("batch_invariant", cfg.batch_invariant and triton),
+                         ("fp8", cfg.kv_cache_dtype == "fp8")):
+            if on:
+                backends = extension(name).backends(backends, cfg)
+        return backends
 
     @torch.inference_mode()
     def _build_model(self) -> DecoderModel:
@@ -115,7 +156,7 @@ class ModelRunner:
         torch.set_default_dtype(self.config.torch_dtype)
         try:
             with self.device:  # parameters are created on the device, in the model dtype
-                model = DecoderModel(self.config.hf_config)
+                model = DecoderModel(self.config.hf_config, self.backends)
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.config.model)
@@ -126,8 +167,7 @@ class ModelRunner:
         """Size the paged KV cache from the memory a worst-case forward pass leaves, allocate it."""
         layers = self.model.attention_layers()
         block = (self.block_size, layers[0].num_kv_heads, layers[0].head_dim)  # (B, Hkv, D)
-        kv_dtype = (self.config.torch_dtype if self.config.kv_cache_dtype == "auto"
-                    else extension("fp8").kv_cache_dtype(self.device))
+        kv_dtype = self.backends.kv_cache_dtype or self.config.torch_dtype
         block_bytes = 2 * len(layers) * int(np.prod(block)) * kv_dtype.itemsize
         if (num_blocks := self.config.num_kvcache_blocks) is None:
             num_blocks = self._measure_num_blocks(block_bytes)
@@ -178,7 +218,7 @@ class ModelRunner:
         if self.rank == 0:  # compile the sampler now, not during the first requests: torch.compile
             for rows in (1, 2):  # makes one kernel for 1 row, one for any other number of rows
                 ones = torch.ones(rows, device=self.device)  # temperatures and keys
-                layers.OPS.sample(logits[:1].repeat(rows, 1), ones, ones.long())
+                self.backends.sample(logits[:1].repeat(rows, 1), ones, ones.long())
         torch.cuda.synchronize()
 
     # ---- host side: batch -> arrays (rank 0) --------------------------------------------------
@@ -198,20 +238,31 @@ class ModelRunner:
         new_slots = block_tables[seq_index, block_index] * self.block_size + offset.astype(np.int32)
         ctx = ForwardContext(is_prefill=batch.is_prefill, input_ids=np.array(input_ids, np.int64),
                              positions=positions, slot_mapping=new_slots, block_tables=block_tables)
-        if not batch.is_prefill:  # the decode kernel reads each context through its block table
-            ctx.context_lens = num_keys.astype(np.int32)
-            ctx.num_common_blocks = self.cascade and self.cascade.num_common_blocks(
-                block_tables, ctx.context_lens)
-            return ctx
-        ctx.cu_seqlens_q = np.cumsum([0, *batch.num_new_tokens], dtype=np.int32)  # (S+1,)
-        ctx.cu_seqlens_k = np.cumsum([0, *num_keys], dtype=np.int32)  # (S+1,)
-        ctx.max_seqlen_q, ctx.max_seqlen_k = max(batch.num_new_tokens), int(num_keys.max())
-        # attention reads every key, a prefix-cache hit or new, at its slot: the slots of each
-        # sequence's blocks (S, width * B), of which the first num_keys of each row (Nk,)
-        block_slots = block_tables[:, :, None] * self.block_size + np.arange(self.block_size)
-        block_slots = block_slots.reshape(len(batch.seqs), -1)
-        ctx.context_slots = block_slots[np.arange(block_slots.shape[1]) < num_keys[:, None]]
+        if batch.is_prefill:
+            self._prepare_prefill(ctx, batch.num_new_tokens, num_keys)
+        else:
+            self._prepare_decode(ctx, num_keys)
         return ctx
+
+    def _prepare_prefill(self, ctx: ForwardContext, num_new_tokens: list[int],
+                         num_keys: np.ndarray) -> None:
+        """A prefill's layout: where each sequence's new tokens and keys start, and every key's
+        slot, as attention reads them all (prefix-cache hits and new tokens)."""
+        ctx.cu_seqlens_q = np.cumsum([0, *num_new_tokens], dtype=np.int32)  # (S+1,)
+        ctx.cu_seqlens_k = np.cumsum([0, *num_keys], dtype=np.int32)  # (S+1,)
+        ctx.max_seqlen_q, ctx.max_seqlen_k = max(num_new_tokens), int(num_keys.max())
+        # the slots of each sequence's blocks (S, width * B), of which the first num_keys of each
+        # row (Nk,)
+        block_slots = ctx.block_tables[:, :, None] * self.block_size + np.arange(self.block_size)
+        block_slots = block_slots.reshape(len(num_keys), -1)
+        ctx.context_slots = block_slots[np.arange(block_slots.shape[1]) < num_keys[:, None]]
+
+    def _prepare_decode(self, ctx: ForwardContext, num_keys: np.ndarray) -> None:
+        """A decode's layout: each row's keys, which the decode kernel reads through its block
+        table; with cascade, from common_blocks_from rows on, the blocks every row shares."""
+        ctx.context_lens, backends = num_keys.astype(np.int32), self.backends
+        if backends.common_blocks is not None and len(num_keys) >= backends.common_blocks_from:
+            ctx.num_common_blocks = backends.common_blocks(ctx.block_tables, ctx.context_lens)
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         table = np.full((len(seqs), max(len(seq.block_table) for seq in seqs)), -1, np.int32)
@@ -234,11 +285,11 @@ class ModelRunner:
         input_ids: the batch's tokens already on the device (overlap), else inputs.input_ids."""
         num_seqs = len(inputs.cu_seqlens_q) - 1 if inputs.is_prefill else len(inputs.positions)
         input_ids = self.to_device(inputs.input_ids) if input_ids is None else input_ids
-        if inputs.is_prefill or num_seqs > self.max_graph_batch:
+        if self.graphs is not None and self.graphs.can_replay(inputs):
+            hidden = self.graphs.replay(inputs, input_ids)  # (graph size, hidden)
+        else:
             with forward_context(ctx := self._context(inputs)):
                 hidden = self.model(input_ids, ctx.positions)  # (N, hidden)
-        else:  # a decode batch that fits a captured graph
-            hidden = self.graphs.replay(inputs, input_ids)  # (graph size, hidden)
         # prefill computes logits at each sequence's last new token only; decode at every row
         rows = self.to_device(self._logits_rows(inputs.cu_seqlens_q)) if inputs.is_prefill else None
         logits = self.model.lm_head(hidden, rows)  # (rows, V) on rank 0
@@ -261,37 +312,43 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: Tensor, seqs: list[Sequence], positions: list[int]) -> StepOutput:
         """A token for each row of logits: seqs[i]'s token at positions[i]."""
-        params, d, model_logits = [seq.params for seq in seqs], self.to_device, logits
-        for hook in self.sampling_hooks:
-            logits = hook.before_sample(logits, seqs)
-        if all(p.temperature == 0 for p in params):  # every row greedy: nothing to draw
-            token_ids = logits.argmax(-1)  # (S,) int64
-        else:  # the draw decided by each row's key (kernels.sampling, through layers.OPS)
-            # a seeded row's key: its seed and the position of the token it samples; others: any
-            rows = zip(self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist(), params, positions)
-            key = [k if sp.seed is None else sampling_key(sp.seed, pos) for k, sp, pos in rows]
-            temperatures = d(np.array([p.temperature for p in params], np.float32))  # (S,)
-            token_ids = layers.OPS.sample(logits, temperatures, d(np.array(key, np.int64)))
+        masked = logits  # the extensions' hooks may mask them; after_sample sees the model's
+        for ext in self.extensions:
+            masked = ext.before_sample(masked, seqs)
+        if all(seq.params.temperature == 0 for seq in seqs):  # every row greedy: nothing to draw
+            token_ids = masked.argmax(-1)  # (S,) int64
+        else:  # the draw decided by each row's key (kernels.sampling, or a backend's)
+            token_ids = self.backends.sample(masked, *self._sampling_inputs(seqs, positions))
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
         out = StepOutput(token_ids, token_ids.to("cpu", non_blocking=True))
-        for hook in self.sampling_hooks:  # the model's logits, before any hook changed them
-            hook.after_sample(model_logits, token_ids, seqs, out)
+        for ext in self.extensions:
+            ext.after_sample(logits, token_ids, seqs, out)
         if self.device.type == "cuda":  # after every copy to the host
             out.copied = torch.cuda.current_stream().record_event()
         return out
+
+    def _sampling_inputs(self, seqs: list[Sequence], positions: list[int]) -> tuple[Tensor, Tensor]:
+        """Each row's temperature (S,) and key (S,): a seeded row's from its seed and the position
+        of the token it samples, any other's at random."""
+        keys = self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist()
+        for i, (seq, position) in enumerate(zip(seqs, positions)):
+            if seq.params.seed is not None:
+                keys[i] = sampling_key(seq.params.seed, position)
+        temperatures = np.array([seq.params.temperature for seq in seqs], np.float32)
+        return self.to_device(temperatures), self.to_device(np.array(keys, np.int64))
 
     def run(self, batch: Batch, input_ids: Tensor | None = None) -> StepOutput:
         """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns
         without waiting for the GPU. input_ids: see forward."""
         inputs = self.prepare(batch)
-        # each row samples the token after its sequence's last new token
-        rows = batch.seqs, [s + n for s, n in zip(batch.starts, batch.num_new_tokens)]
+        # each sequence samples the token after its last new token
+        positions = [start + n for start, n in zip(batch.starts, batch.num_new_tokens)]
         if self.workers is None:
-            return self.sample(self.forward(inputs, input_ids), *rows)
+            return self.sample(self.forward(inputs, input_ids), batch.seqs, positions)
         self.workers.check()
         self.workers.call("forward", inputs)
         try:
-            out = self.sample(self.forward(inputs), *rows)
+            out = self.sample(self.forward(inputs), batch.seqs, positions)
             out.tolist()  # wait here, where a collective broken by a dying worker is recognised
             return out
         except RuntimeError:

@@ -23,7 +23,7 @@ def rope_theta(cfg: PretrainedConfig) -> float:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: PretrainedConfig) -> None:
+    def __init__(self, cfg: PretrainedConfig, backends: layers.Backends) -> None:
         super().__init__()
         tp = layers.tp_rank_and_size()[1]
         D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -32,13 +32,13 @@ class SelfAttention(nn.Module):
         qk_norm = arch == "Qwen3ForCausalLM"
         qkv_bias = arch == "Qwen2ForCausalLM" or getattr(cfg, "attention_bias", False)
         self.qkv_proj = layers.ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
-                                                    bias=qkv_bias)
-        self.o_proj = layers.RowParallelLinear(q_size, cfg.hidden_size)
-        self.q_norm = layers.RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = layers.RMSNorm(D, cfg.rms_norm_eps) if qk_norm else None
+                                                    backends, bias=qkv_bias)
+        self.o_proj = layers.RowParallelLinear(q_size, cfg.hidden_size, backends)
+        self.q_norm = layers.RMSNorm(D, cfg.rms_norm_eps, backends) if qk_norm else None
+        self.k_norm = layers.RMSNorm(D, cfg.rms_norm_eps, backends) if qk_norm else None
         self.rotary = layers.RotaryEmbedding(D, cfg.max_position_embeddings, rope_theta(cfg))
         self.attn = layers.Attention(cfg.num_attention_heads // tp,  # H and Hkv on this rank
-                                     cfg.num_key_value_heads // tp, D)
+                                     cfg.num_key_value_heads // tp, D, backends)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         attn = self.attn
@@ -46,33 +46,33 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], -1)
         q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)  # (N, heads, D)
         # q/k norm (Qwen3) -> rotary -> K/V into the paged cache
-        q, k = layers.OPS.norm_rotary_store(positions, q, k, v, attn, self.rotary,
-                                            self.q_norm, self.k_norm)
+        q, k = attn.backends.norm_rotary_store(positions, q, k, v, attn, self.rotary,
+                                               self.q_norm, self.k_norm)
         o = attn(q, k, v)  # (N, H, D): attend to each sequence's cached context
         return self.o_proj(o.flatten(1))  # (N, hidden)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: PretrainedConfig) -> None:
+    def __init__(self, cfg: PretrainedConfig, backends: layers.Backends) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (only silu)")
         self.gate_up_proj = layers.ColumnParallelLinear(cfg.hidden_size,
-                                                        [cfg.intermediate_size] * 2)
-        self.down_proj = layers.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+                                                        [cfg.intermediate_size] * 2, backends)
+        self.down_proj = layers.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, backends)
+        self.silu_and_mul = backends.silu_and_mul
 
     def forward(self, x: Tensor) -> Tensor:
         # gate and up in one GEMM (N, 2 I) -> SiLU(gate) * up (N, I) -> down (N, hidden)
-        return self.down_proj(layers.OPS.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: PretrainedConfig) -> None:
+    def __init__(self, cfg: PretrainedConfig, backends: layers.Backends) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn, self.mlp = SelfAttention(cfg, backends), MLP(cfg, backends)
+        self.input_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends)
+        self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends)
 
     def forward(self, positions: Tensor, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         # the residual stream is carried separately so each norm can fuse "add, then normalize"
@@ -89,13 +89,17 @@ class DecoderModel(nn.Module):
                       "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: PretrainedConfig) -> None:
+    def __init__(self, cfg: PretrainedConfig, backends: layers.Backends | None = None) -> None:
+        """backends: what every layer computes with (the model runner's choice; None: the plain)."""
         super().__init__()
+        backends = backends or layers.Backends()
         self.model = nn.Module()
-        self.model.embed_tokens = layers.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.model.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = layers.ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model.embed_tokens = layers.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                                backends)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, backends)
+                                          for _ in range(cfg.num_hidden_layers))
+        self.model.norm = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends)
+        self.lm_head = layers.ParallelLMHead(cfg.vocab_size, cfg.hidden_size, backends)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

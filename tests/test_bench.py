@@ -368,7 +368,7 @@ def test_guided_runs_with_another_tokenizer(tiny_model, monkeypatch):
             params = bench.nanoserve_params(wl, guided, run)
             outs = llm.generate(wl.prompts, params, use_tqdm=False)
             for out, sp, n in zip(outs, params, wl.output_lens):
-                grammar = llm.extensions["guided"].compiler.compile_grammar(
+                grammar = llm.switched_on["guided"].compiler.compile_grammar(
                     xgr.Grammar.from_json_schema(sp.guided_decoding.json, any_whitespace=False))
                 matcher = xgr.GrammarMatcher(grammar)
                 assert len(out["token_ids"]) == n and all(map(matcher.accept_token,

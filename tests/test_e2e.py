@@ -43,11 +43,13 @@ def test_greedy_matches_transformers(model_dir, prompts, hf_outputs, extensions)
                                 top_k=100_000)
     with LLM(model_dir, **settings) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        expected = {"overlap", "trace", "timeline", "stop_strings", "logprobs",
+        expected = {"trace", "timeline", "stop_strings", "logprobs",
                     "top_k_top_p"} if extensions else set()
+        assert set(llm.switched_on) == expected
+        loop = "OverlapLoop" if extensions else "StepLoop"
         if os.environ.get("NANOSERVE_TEST_SPECULATIVE"):  # conftest's switch adds speculation
-            expected.add("speculative")
-        assert set(llm.extensions) == expected
+            loop = "SpeculativeLoop"
+        assert type(llm.loop).__name__ == loop
     assert [o["token_ids"] for o in outs] == hf_outputs
     for o, ref in zip(outs, hf_outputs):
         full = len(ref) == MAX_TOKENS and ref[-1] != 2

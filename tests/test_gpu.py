@@ -151,7 +151,7 @@ def test_prefill_graphs_match_transformers(model_dir):
     prompt_list = prompts(n=4, seed=5) + [(prompts(n=1, seed=6)[0] * 8)[:1000]]
     ref_ids, ref_lps = hf_logprobs(model_dir, prompt_list)
     with LLM(model_dir, gpu_memory_utilization=0.3, max_model_len=1024) as llm:
-        graphs = llm.extensions["prefill_graphs"]
+        graphs = llm.model_runner.graphs
         for run in ("computed", "cached"):
             replays = graphs.num_replays
             ids, lps = zip(*(record_logprobs(llm, [p]) for p in prompt_list))  # one at a time
@@ -171,8 +171,10 @@ def test_core_alone_matches_the_extensions(model_dir):
     for on in (True, False):
         with LLM(model_dir, num_kvcache_blocks=4096, max_model_len=1024, overlap_scheduling=on,
                  cascade_attention=on, fused_kernels=on, prefill_graphs=on) as llm:
-            assert (llm.model_runner.cascade is not None) == on == ("overlap" in llm.extensions)
-            assert ("prefill_graphs" in llm.extensions) == on
+            runner = llm.model_runner
+            assert (runner.backends.common_blocks is not None) == on
+            assert (type(llm.loop).__name__ == "OverlapLoop") == on
+            assert (type(runner.graphs).__name__ == "PrefillGraphs") == on
             results[on] = record_logprobs(llm, prompt_list)
     # the fused kernels round as one kernel what the plain ops round step by step (0.26 nats at
     # most, measured on the llama shape): the tolerance against transformers, not SAME_ENGINE_TOL

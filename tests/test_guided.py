@@ -173,7 +173,7 @@ def test_not_a_guided_decoding_params_raises_before_scheduling(llm):
 def test_one_schema_is_parsed_and_compiled_once(llm, chat):
     schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
                                                       "maximum": 9}}, "required": ["id"]}
-    parsed, cache = parse.cache_info().misses, llm.extensions["guided"].compiler
+    parsed, cache = parse.cache_info().misses, llm.switched_on["guided"].compiler
     outs = llm.generate([chat(f"Give item {i} as JSON.") for i in range(8)],
                         [guided(json=schema)] * 8)  # a GuidedDecodingParams per request
     assert parse.cache_info().misses == parsed + 1
@@ -211,7 +211,7 @@ def test_same_tokens_with_overlap_speculation_and_preemption(model_dir, chat):
         with LLM(model_dir, **settings) as llm:
             runs[name] = [o["token_ids"] for o in llm.generate(prompts, params)]
             if name == "speculative":
-                assert llm.extensions["speculative"].stats.num_accepted_tokens > 0
+                assert llm.loop.stats.num_accepted_tokens > 0
             if name == "preempted_and_chunked":  # and some prompt longer than a step's tokens
                 assert llm.scheduler.num_preemptions > 0
                 assert max(len(llm.tokenizer.encode(p)) for p in prompts) > 32

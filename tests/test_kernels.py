@@ -744,7 +744,7 @@ def test_sample_gpu(S: int) -> None:
     args = sample_case(max(S, 6), 151_936, torch.bfloat16, "cuda")
     args = [a[:S] for a in args]
     cpu = kernels.sample(*(a.cpu() for a in args))
-    for tokens in (kernels.sample(*args), fused.ops().sample(*args)):
+    for tokens in (kernels.sample(*args), fused.gpu_compiled(kernels.sample)(*args)):
         check_race(args[0].cpu(), args[1].cpu(), tokens.cpu())
         assert (tokens.cpu() != cpu).sum() <= S // 32  # near-ties only
 
@@ -775,7 +775,8 @@ def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
     B, Hkv, D, lens = 16, 8, 128, [5, 0, 170, 320]
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, cache_dtype, "cuda")
     slots = context_slots(block_tables, lens, B)
-    compiled = fused.ops().gather_kv(k_cache, v_cache, slots, torch.bfloat16)
+    compiled = fused.gpu_compiled(kernels.gather_kv)(k_cache, v_cache, slots,
+                                                       torch.bfloat16)
     for got, expect in zip(compiled, kernels.gather_kv(k_cache, v_cache, slots, torch.bfloat16)):
         assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
 

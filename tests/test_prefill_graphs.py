@@ -4,6 +4,7 @@ CUDA graphs need a GPU (tests/test_gpu.py captures them); here each "graph" repl
 the model eagerly on the graphs' buffers, what a capture records, so the padding, the choice of
 size and the logits row meet the default model and must give transformers' greedy tokens."""
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import cdiv
@@ -27,20 +28,26 @@ class EagerGraph:
 
 @pytest.fixture(params=[16384, 16], ids=["whole", "chunked"])
 def llm(model_dir, monkeypatch, request):
-    """An engine with prefill graphs whose graphs replay eagerly; "chunked": 16 tokens a step, so
-    a prompt's later chunks replay with its earlier chunks as cached keys."""
-    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "_capture",
+    """An engine whose graph runner is PrefillGraphs, with no decode graphs and prefill graphs
+    that replay eagerly; "chunked": 16 tokens a step, so a prompt's later chunks replay with its
+    earlier chunks as cached keys."""
+    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "_capture_prefill",
                         lambda graphs, size: EagerGraph(graphs, size))
+    monkeypatch.setattr(prefill_graphs, "FLASH_DTYPES", (torch.float32,))  # the CPU's dtype
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no decode graph to pool
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     with LLM(model_dir, max_model_len=1024, max_num_batched_tokens=request.param) as llm:
-        assert "prefill_graphs" not in llm.extensions  # no decode graphs on the CPU: not attached
-        llm.extensions["prefill_graphs"] = prefill_graphs.PrefillGraphs(llm.model_runner)
+        runner = llm.model_runner
+        assert runner.graphs is None  # no graphs on the CPU: the test gives its own
+        runner.graphs = prefill_graphs.PrefillGraphs(runner.model, 0, runner.max_blocks_per_seq,
+                                                     runner._context, runner.backends)
         yield llm
 
 
 def test_lone_prompts_replay_and_match_transformers(llm, prompts, hf_outputs):
     """Two prompts one at a time, then again as prefix-cache hits (fewer new tokens than keys):
     every prefill replays, with transformers' greedy tokens; a batch of two runs eagerly."""
-    graphs, step = llm.extensions["prefill_graphs"], llm.config.max_num_batched_tokens
+    graphs, step = llm.model_runner.graphs, llm.config.max_num_batched_tokens
     refs = [ref[:NUM_TOKENS] for ref in hf_outputs]  # what GREEDY's tokens must be
     for run in ("computed", "cached"):
         replays = graphs.num_replays
@@ -58,10 +65,12 @@ def test_lone_prompts_replay_and_match_transformers(llm, prompts, hf_outputs):
 
 
 def test_what_fits_a_graph(llm):
-    graphs, largest = llm.extensions["prefill_graphs"], prefill_graphs.GRAPH_TOKENS[-1]
+    graphs, largest = llm.model_runner.graphs, prefill_graphs.GRAPH_TOKENS[-1]
     one = dict(is_prefill=True, slot_mapping=None, cu_seqlens_q=[0, 5])
-    assert graphs.fits(ForwardContext(**one, context_slots=range(largest)))
-    assert not graphs.fits(ForwardContext(**one, context_slots=range(largest + 1)))
-    assert not graphs.fits(ForwardContext(is_prefill=True, slot_mapping=None,
-                                          cu_seqlens_q=[0, 5, 9], context_slots=range(9)))
-    assert not graphs.fits(ForwardContext(is_prefill=False, slot_mapping=None))
+    assert graphs.can_replay(ForwardContext(**one, context_slots=range(largest)))
+    assert not graphs.can_replay(ForwardContext(**one, context_slots=range(largest + 1)))
+    assert not graphs.can_replay(ForwardContext(is_prefill=True, slot_mapping=None,
+                                                cu_seqlens_q=[0, 5, 9], context_slots=range(9)))
+    # a decode: the decode graphs' (none here, max_batch 0)
+    assert not graphs.can_replay(ForwardContext(is_prefill=False, slot_mapping=None,
+                                                positions=[3]))

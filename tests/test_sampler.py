@@ -16,11 +16,12 @@ QWEN_VOCAB = 151_936
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])]
+compiled_sample = fused.gpu_compiled(sampling.sample)  # as the fused backends compile it
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The engine's draw: on CUDA the fused extension's compiled sampler, on the CPU the core's."""
-    return (fused.ops().sample if logits.is_cuda else sampling.sample)(logits, temps, keys)
+    return (compiled_sample if logits.is_cuda else sampling.sample)(logits, temps, keys)
 
 
 def sample(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor,
@@ -190,7 +191,7 @@ def test_cpu_and_cuda_draw_the_same_tokens(S):
 @gpu
 @requires_cuda
 def test_compiled_sampler_equals_the_plain_one():
-    """fused.ops().sample (torch.compile, one kernel for every batch size above 1) against
+    """the compiled sampler (torch.compile, one kernel for every batch size above 1) against
     kernels.sampling.sample on the same CUDA tensors."""
     gen = torch.Generator().manual_seed(4)
     for S in (1, 2, 33, 256):
@@ -198,7 +199,7 @@ def test_compiled_sampler_equals_the_plain_one():
         temps = (torch.rand(S, generator=gen) + 0.3).cuda()
         temps[::3] = 0
         keys = torch.randint(0, 2**63 - 1, (S,), generator=gen).cuda()
-        compiled = fused.ops().sample(logits, temps, keys)
+        compiled = compiled_sample(logits, temps, keys)
         plain = sampling.sample(logits, temps, keys)
         assert compiled.dtype == torch.int64 and compiled.shape == (S,)
         assert (compiled != plain).sum() <= S // 32  # near-ties only

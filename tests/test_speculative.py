@@ -14,6 +14,7 @@ from test_e2e import GREEDY
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import cdiv
 from nanoserve.extensions import speculative
+from nanoserve.extensions.overlap import OverlapLoop
 from nanoserve.extensions.speculative import NgramIndex
 
 # On a GPU, speculation keeps a request's tokens with batch_invariant=True (the README's claim):
@@ -69,8 +70,8 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match():
 
 def test_greedy_matches_transformers_with_speculation(model_dir, prompts, greedy_reference):
     with LLM(model_dir, **SPEC) as llm:
-        assert llm.loop is llm.extensions["speculative"]
-        assert llm.loop.fallback is llm.extensions["overlap"]  # it runs the steps without drafts
+        assert isinstance(llm.loop, speculative.SpeculativeLoop)
+        assert isinstance(llm.loop.fallback, OverlapLoop)  # it runs the steps without drafts
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.loop.stats
     assert token_ids(outs) == greedy_reference

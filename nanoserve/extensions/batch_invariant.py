@@ -1,19 +1,18 @@
 """Batch invariance: on the GPU, a request's tokens and logprobs are the same bits in any batch.
 
-What it changes: every step whose order of additions followed the batch. 16-bit products run
-through cuBLASLt with a workspace too small to split K and no reduced-precision reduction, float32
-ones through a Triton kernel of one tile shape, and a start-up check proves every weight shape at
-1 to 4,096 rows. RMSNorm is one Triton program a row. Prefill and decode attention are one Triton
+What it changes: every step whose order of additions followed the batch. 16-bit products run through
+cuBLASLt with a workspace too small to split K and no reduced-precision reduction, float32 ones
+through a Triton kernel of one tile shape, and the first product of each weight shape checks it at 1
+to 4,096 rows. RMSNorm is one Triton program a row. Prefill and decode attention are one Triton
 kernel with no split-KV: a query token's row reads the same key tiles, in the same order, with the
 same arithmetic, whether it is in a prompt's chunk, a lone decode or a speculative draft, so
 preemption, prefix hits, any chunk size and speculation give the same bits (vLLM's and SGLang's
 deterministic modes; docs/performance.md, section 9, with its cost). Where it plugs in, with
-`batch_invariant=True`: the elementwise ops and products (layers.OPS, fused's per-row and
-per-element steps kept) and both attention backends; cascade attention and prefill graphs stay
-off. On the CPU nothing changes: float32 there is batch invariant already.
+`batch_invariant=True`: the backends (`backends`): products, RMSNorms and both attentions (fused's
+other steps, a program a row or an element, stay); cascade attention and prefill graphs stay off. On
+the CPU nothing changes: float32 there is batch invariant already.
 """
 import dataclasses
-import functools
 import os
 
 import torch
@@ -23,14 +22,16 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve import kernels, layers
+from nanoserve.config import Config
 from nanoserve.kernels.decode import LOG2E, MIN_GROUP_ROWS
-from nanoserve.layers import ForwardContext
+from nanoserve.layers import Backends, ForwardContext
 
 TILE_TOKENS = 64  # keys per loop step (whole blocks), as the core's decode kernel
 NUM_STAGES = 3  # software pipelining: the next steps' loads fly during this one
 # cuBLAS reads these once per process, at its first handle: a workspace too small for split-K
 CUBLAS_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
-CHECK_ROWS = (1, 2, 3, 7, 16, 100, 256, 1000, 4096)  # batch row counts the start-up check tries
+CHECK_ROWS = (1, 2, 3, 7, 16, 100, 256, 1000, 4096)  # batch row counts the check tries
+checked: set[tuple] = set()  # the (weight shape, dtype, bias?) whose products passed the check
 
 
 def use_fixed_gemms() -> None:
@@ -43,19 +44,16 @@ def use_fixed_gemms() -> None:
 
 
 @torch.inference_mode()
-def check_gemms(model: torch.nn.Module) -> None:
-    """Raise a RuntimeError unless each linear layer's row 0 is the same bits at every row count."""
-    linears = (layers.ColumnParallelLinear, layers.RowParallelLinear, layers.ParallelLMHead)
-    shapes = {(m.weight.shape, getattr(m, "bias", None) is not None): (name, m)
-              for name, m in model.named_modules() if isinstance(m, linears)}
-    for name, m in shapes.values():
-        x = torch.randn(max(CHECK_ROWS), m.weight.shape[1]).to(m.weight)  # (rows, in)
-        product = functools.partial(linear, weight=m.weight, bias=getattr(m, "bias", None))
-        alone = product(x[:1])  # (1, out)
-        if bad := [rows for rows in CHECK_ROWS if not torch.equal(product(x[:rows])[:1], alone)]:
-            raise RuntimeError(f"batch_invariant=True: {name} gave row 0 other bits in a batch "
-                               f"of {bad[0]} rows (cuBLAS split its sums): start the process with "
-                               f"{CUBLAS_ENV} in its environment (cuBLAS reads them once)")
+def check_gemms(weight: Tensor, bias: Tensor | None) -> None:
+    """Raise a RuntimeError unless row 0 of x W^T + b is the same bits at every row count."""
+    x = torch.randn(max(CHECK_ROWS), weight.shape[1]).to(weight)  # (rows, in)
+    alone = F.linear(x[:1], weight, bias)  # (1, out)
+    if bad := [rows for rows in CHECK_ROWS
+               if not torch.equal(F.linear(x[:rows], weight, bias)[:1], alone)]:
+        raise RuntimeError(f"batch_invariant=True: a product of weight {tuple(weight.shape)} gave "
+                           f"row 0 other bits in a batch of {bad[0]} rows (cuBLAS split its "
+                           f"sums): start the process with {CUBLAS_ENV} in its environment "
+                           "(cuBLAS reads them once)")
 
 
 @triton.jit
@@ -78,8 +76,12 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, BLOCK_M: tl.constex
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear; in float32 on the GPU a Triton kernel, as cuBLAS's float32 kernels change with
-    the row count (16-bit products go to cuBLASLt, set up by use_fixed_gemms)."""
+    the row count. 16-bit products go to cuBLASLt, set up by use_fixed_gemms, and the first of
+    each weight shape on the GPU checks them (check_gemms)."""
     if x.dtype != torch.float32 or not kernels.use_triton(x):
+        if x.is_cuda and (key := (weight.shape, weight.dtype, bias is not None)) not in checked:
+            check_gemms(weight, bias)
+            checked.add(key)
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # (M, K)
     (M, K), N = rows.shape, weight.shape[0]
@@ -185,6 +187,11 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
     return out
 
 
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor,
+                                                                                  Tensor]:
+    return rms_norm(x, weight, eps, residual)
+
+
 def prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
             ctx: ForwardContext, scale: float) -> Tensor:
     """The prefill backend: the prompt's tokens read their keys from the cache as decode does."""
@@ -201,15 +208,10 @@ def decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
     return attention(q, k_cache, v_cache, ctx.block_tables, rows, ctx.context_lens, 1, scale)
 
 
-def attach(model: torch.nn.Module, ops: layers.Ops) -> layers.Ops:
-    """Give every Attention layer the invariant backends, check the products, and return
-    layers.OPS: ops (fused's or the plain steps, each a program a row or an element), but for the
-    RMSNorms, a row a program here, and the products. Before the model's first product."""
-    for attn in model.attention_layers():
-        attn.prefill_backend, attn.decode_backend = prefill, decode
-    if next(model.parameters()).is_cuda:
+def backends(chosen: Backends, config: Config) -> Backends:
+    """The products, RMSNorms and both attentions here; the other steps as chosen before (fused's
+    or the plain ones, each a program a row or an element). Before the model's first product."""
+    if config.device == "cuda":
         use_fixed_gemms()
-        check_gemms(model)
-    return dataclasses.replace(
-        ops, rms_norm=rms_norm, linear=linear,
-        add_rms_norm=lambda x, residual, w, eps: rms_norm(x, w, eps, residual))
+    return dataclasses.replace(chosen, rms_norm=rms_norm, add_rms_norm=add_rms_norm,
+                               linear=linear, prefill_attention=prefill, decode_attention=decode)

@@ -3,12 +3,13 @@
 What it changes: decode attention. Small batches split each sequence's blocks over several programs
 (merged by their log-sum-exp) so the GPU fills; big ones that share a prefix (a prefix-cache hit,
 say a system prompt) read it once per CASCADE_ROWS query rows instead of once per sequence. Where it
-plugs in: the attention backend for decode (Cascade sets every Attention layer's decode_backend
-to cascade_decode, same result; the model runner asks it for the shared prefix of each batch).
+plugs in: the backends (`backends`): decode attention by cascade_decode, same result, and the
+host's search for the shared prefix of each decode batch.
 What it gains: see docs/performance.md. Invariant, as the core's: no host sync, a grid from shapes
 and arguments only.
 """
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -21,8 +22,7 @@ from nanoserve.config import Config
 from nanoserve.kernels import decode
 from nanoserve.kernels.common import use_triton
 from nanoserve.kernels.decode import _attend_tile, _dot_dtype  # the core's tile step, reused
-from nanoserve.layers import ForwardContext
-from nanoserve.models import DecoderModel
+from nanoserve.layers import Backends, ForwardContext
 
 # Launch settings of the decode kernel, tuned on H100 and H200 (docs/performance.md, fp8_cache.md)
 DECODE_TILE_TOKENS = 64  # K/V rows per loop step (whole blocks)
@@ -330,30 +330,23 @@ def common_prefix_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
     return int(same.argmin()) if not same.all() else limit
 
 
-class Cascade:
-    """The decode backend of every Attention layer, and the host side of it: how many leading
-    blocks a decode batch shares (the model runner's prepare)."""
+def backends(chosen: Backends, config: Config) -> Backends:
+    """Decode attention by cascade_decode; with prefix caching (only its hits share blocks), a
+    decode batch of CASCADE_MIN_SEQS rows or more looks for the blocks its rows share."""
+    shared = (functools.partial(common_blocks, block_size=config.kvcache_block_size)
+              if config.enable_prefix_caching else None)
+    return dataclasses.replace(chosen, decode_attention=decode_attention, common_blocks=shared,
+                               common_blocks_from=CASCADE_MIN_SEQS)
 
-    def __init__(self, model: DecoderModel, config: Config) -> None:
-        self.config = config  # its block size, and whether prefix caching is on
-        for attn in model.attention_layers():
-            attn.decode_backend = self.decode
 
-    @staticmethod
-    def decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-               ctx: ForwardContext, scale: float) -> Tensor:
-        return cascade_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
-                              ctx.num_common_blocks)
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     ctx: ForwardContext, scale: float) -> Tensor:
+    """The decode attention backend (k and v, in the cache already, are not read again)."""
+    return cascade_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
+                          ctx.num_common_blocks)
 
-    def use_prefix(self, num_seqs: int) -> bool:
-        """The shared-prefix kernel for a batch of num_seqs? Only prefix-cache hits share blocks."""
-        return self.config.enable_prefix_caching and num_seqs >= CASCADE_MIN_SEQS
 
-    def num_common_blocks(self, block_tables: np.ndarray,
-                          context_lens: np.ndarray) -> np.ndarray | None:
-        """(1,) int32: the blocks every sequence of a decode batch shares; None: not looked for."""
-        if not self.use_prefix(len(context_lens)):
-            return None
-        return np.array([common_prefix_blocks(block_tables, context_lens,
-                                              self.config.kvcache_block_size)], np.int32)
-
+def common_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
+                  block_size: int) -> np.ndarray:
+    """(1,) int32: the blocks every sequence of a decode batch shares."""
+    return np.array([common_prefix_blocks(block_tables, context_lens, block_size)], np.int32)

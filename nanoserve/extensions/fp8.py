@@ -5,17 +5,22 @@ half the bytes.
 
 K and V are stored as they are (per-tensor scale 1, as vLLM's default), rounded to 3 mantissa
 bits, saturating at +-448 (kernels.to_cache_dtype). The core's kernels read any cache dtype and
-dequantize in registers; this extension chooses the dtype at the cache-dtype point (the model
-runner's KV cache allocation) and checks the GPU can convert it. docs/fp8_cache.md measures the
+dequantize in registers; this extension chooses the dtype in the backends (the model runner
+allocates the cache in it) and checks the GPU can convert it. docs/fp8_cache.md measures the
 values' range, the accuracy and the speed.
 """
+import dataclasses
+
 import torch
+
+from nanoserve.config import Config
+from nanoserve.layers import Backends
 
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper and newer
 
 
-def kv_cache_dtype(device: torch.device) -> torch.dtype:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+def backends(chosen: Backends, config: Config) -> Backends:
+    if config.device == "cuda" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
         raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
                          "(Ada, Hopper): use kv_cache_dtype='auto' on this one")
-    return torch.float8_e4m3fn
+    return dataclasses.replace(chosen, kv_cache_dtype=torch.float8_e4m3fn)

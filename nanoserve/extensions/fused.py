@@ -8,10 +8,11 @@ heads; k's heads and the store) to halve each program's chain of loads. The rema
 chains (add + RMSNorm, SiLU-and-mul, prefill's gather of keys, dequantizing an fp8 cache) go
 through torch.compile, which fuses each chain into one kernel: a launch and a round trip through
 memory saved per op. The sampler (kernels.sampling: noise hash, temperature, race) compiles the
-same way, into one pass over the logits. Attaches at the core's elementwise point, layers.OPS (the
-model runner installs `ops()`); the plain steps in kernels.rotary, kernels.sampling and layers are
-what every kernel here must match (tests/fused_ref.py, tests/test_sampler.py).
+same way, into one pass over the logits. Plugs in at the backends (`backends`); the plain steps
+in kernels.rotary, kernels.sampling and layers are what every kernel here must match
+(tests/fused_ref.py, tests/test_sampler.py).
 """
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -20,7 +21,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nanoserve import layers
+from nanoserve import kernels, layers
+from nanoserve.config import Config
+
+COMPILED = ("rms_norm", "add_rms_norm", "silu_and_mul", "sample")  # the backends torch.compile
 
 
 def gpu_compiled(fn: Callable) -> Callable:
@@ -49,13 +53,14 @@ def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
 
 
 @functools.cache  # one compile per process: each new wrapper would compile again, and dynamo
-def ops() -> layers.Ops:  # falls back to eager once a function has been compiled too often
-    """The fused elementwise steps, for layers.OPS: every plain step of layers.Ops compiled
-    (prefill's gather + dequantize in one pass, say), but norm + rotary + store, one Triton
-    kernel."""
-    compiled = {name: gpu_compiled(step) for name, step in vars(layers.Ops()).items()
-                if name not in ("norm_rotary_store", "linear")}
-    return layers.Ops(**compiled, norm_rotary_store=fused_norm_rotary_store)
+def backends(chosen: layers.Backends, config: Config) -> layers.Backends:
+    """The fused steps: every elementwise step compiled (prefill's gather + dequantize in one
+    pass, say), but norm + rotary + store, one Triton kernel. Falls back to eager once a function
+    has been compiled too often."""
+    compiled = {name: gpu_compiled(getattr(chosen, name)) for name in COMPILED}
+    prefill = functools.partial(layers.varlen_prefill, gather_kv=gpu_compiled(kernels.gather_kv))
+    return dataclasses.replace(chosen, **compiled, norm_rotary_store=fused_norm_rotary_store,
+                               prefill_attention=prefill)
 
 
 @triton.jit

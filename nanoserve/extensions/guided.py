@@ -4,8 +4,8 @@
 json_object=True) asks for it.
 
 xgrammar does the work. A constraint is parsed when its GuidedDecodingParams is made (a bad one
-raises there) and compiled against the vocabulary on a pool of threads from the first step its
-request is seen in (waiting, or in the batch); the compiler caches by the constraint's text, so
+raises there) and compiled against the vocabulary on a pool of threads from the moment its
+request arrives; the compiler caches by the constraint's text, so
 requests that share a schema compile it once. Each request keeps a matcher: the state of its output
 in the grammar. Every step, before the sampler, the matchers of the guided rows fill a bitmask of
 the tokens allowed next (on several host threads, while the GPU runs the step's forward pass), and
@@ -19,16 +19,15 @@ token of the step in flight: the matcher takes it once it is on the host, before
 mask, and that step's postprocessing finds it taken. With speculative decoding the drafts before
 the row: its mask comes from a fork of the matcher that took them, and the forks are dropped after
 the step, so nothing needs rolling back.
-Attaches at two sides of one point: the model runner's sampling hooks (before the sampler, first
-of them, so top-k/p choose among allowed tokens) and the engine's step outputs. Logprobs are the
-model's, before the mask.
+An Extension, the first in the engine's list (so top-k/p choose among allowed tokens): on_request
+starts the compile, before_sample masks, after_sample notes the step, on_tokens advances the
+matchers. Logprobs are the model's, before the mask.
 """
 import functools
 import json
 import re
 import weakref
 from collections import Counter
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -38,8 +37,8 @@ import xgrammar as xgr
 from torch import Tensor
 
 from nanoserve.extensions.overlap import PENDING
-from nanoserve.llm_engine import LLMEngine, StepObserver
-from nanoserve.model_runner import SamplingHook, StepOutput
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.model_runner import Extension, StepOutput
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
@@ -127,7 +126,7 @@ def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, G
     return matchers
 
 
-class Guided(StepObserver, SamplingHook):
+class Guided(Extension):
     def __init__(self, engine: LLMEngine) -> None:
         cfg, runner = engine.config, engine.model_runner
         self.scheduler, self.to_device = engine.scheduler, runner.to_device
@@ -141,33 +140,31 @@ class Guided(StepObserver, SamplingHook):
         self.filler = xgr.BatchGrammarMatcher()  # fills many rows' masks, on several threads
         # (rows, V / 32) int32 on the host, pinned on CUDA, whence a stream of its own copies it
         k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
-        self.copies = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
+        cuda = runner.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(runner.device) if cuda else None
         bitmask = xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), self.vocab_size)
-        self.bitmask = bitmask.pin_memory() if self.copies else bitmask
+        self.bitmask = bitmask.pin_memory() if cuda else bitmask
         # per guided sequence, as long as it lives: its compiled grammar, then its Guide
         self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
         self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step sampled
         self.caught_up: StepOutput | None = None  # the last step whose tokens _catch_up took
 
-    def _compile(self, seqs: Iterable[Sequence]) -> None:
-        """Start compiling the grammars of guided seqs not started yet, on the pool's threads."""
-        for seq in seqs:
-            if seq.params.guided_decoding is not None and seq not in self.grammars:
-                self.grammars[seq] = self.compiling.submit(
-                    self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source))
+    def on_request(self, seq: Sequence, streamed: bool) -> None:
+        """Start compiling a guided request's grammar, on the pool's threads."""
+        if seq.params.guided_decoding is not None and seq not in self.grammars:
+            self.grammars[seq] = self.compiling.submit(
+                self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source))
 
     def guide(self, seq: Sequence) -> Guide:
         """seq's Guide, made on first use (waiting for its grammar to compile)."""
         if (guide := self.guides.get(seq)) is None:
-            self._compile([seq])
+            self.on_request(seq, streamed=False)  # (a request that came before the extension)
             guide = self.guides[seq] = Guide(xgr.GrammarMatcher(self.grammars[seq].result()))
         return guide
 
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """logits (S, V) with -inf where a guided row's grammar refuses the token."""
-        # this step's rows first; then the waiting ones, compiled while the prompts before them run
-        self._compile([*seqs, *self.scheduler.waiting])
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
@@ -178,10 +175,10 @@ class Guided(StepObserver, SamplingHook):
         self.filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
-        if self.copies is not None:  # on the copy engine, while the step's forward pass runs
-            with torch.cuda.stream(self.copies):
+        if self.copy_stream is not None:  # on the copy engine, while the forward pass runs
+            with torch.cuda.stream(self.copy_stream):
                 bitmask = bitmask.to(logits.device, non_blocking=True)
-            torch.cuda.current_stream().wait_stream(self.copies)
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
             bitmask.record_stream(torch.cuda.current_stream())
         index = (slice(None) if len(live) == len(seqs)  # the rows, on the device without waiting
                  else self.to_device(np.array(indices, np.int64)))
@@ -216,10 +213,5 @@ class Guided(StepObserver, SamplingHook):
                   if not seq.is_finished and seq.num_computed_tokens + num_new == seq.num_tokens
                   and (guide := self.guides.get(seq)) and guide.num_tokens == seq.num_output_tokens]
         if taking:
-            accept(*map(list, zip(*taking)))
+            accept([guide for guide, _ in taking], [token for _, token in taking])
 
-
-def attach(engine: LLMEngine) -> Guided:
-    engine.model_runner.sampling_hooks.insert(0, guided := Guided(engine))
-    engine.observers.insert(0, guided)
-    return guided

@@ -6,18 +6,17 @@ and top-k/p).
 
 They are computed in the sampling pass, on the device, for the rows that asked, and copied to
 the host without waiting; the step's postprocessing turns them into one {token id: logprob} dict
-per token in `Sequence.logprobs`. Attaches at two sides of one point: the model runner's
-sampling hooks (after the sampler) and the engine's step outputs (before the tokens are recorded).
+per token in `Sequence.logprobs`. An Extension: after_sample computes them, on_tokens (before
+the tokens are recorded) appends them.
 """
 from torch import Tensor
 
-from nanoserve.llm_engine import LLMEngine, StepObserver
-from nanoserve.model_runner import SamplingHook, StepOutput
+from nanoserve.model_runner import Extension, StepOutput
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 
-class Logprobs(StepObserver, SamplingHook):
+class Logprobs(Extension):
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
         """Log-probabilities of the sampled tokens (S,) and the top k ids and values (S, k),
@@ -42,11 +41,4 @@ class Logprobs(StepObserver, SamplingHook):
             if k is None or seq.is_finished or seq.num_computed_tokens + num_new < seq.num_tokens:
                 continue
             seq.logprobs.append({token_ids[i]: chosen[i]} | dict(zip(ids[i][:k], values[i][:k])))
-
-
-def attach(engine: LLMEngine) -> Logprobs:
-    engine.model_runner.sampling_hooks.append(logprobs := Logprobs())
-    engine.observers.insert(0, logprobs)
-    return logprobs
-
 

@@ -9,36 +9,32 @@ calls in another order: launch step N+1, then wait for step N's tokens and postp
   gets a PENDING placeholder on the host, while the GPU reads the real token from the previous
   step's output on the device. A sequence that samples EOS is found one step late; that step's
   token is dropped.
-Owns: the step in flight and the cancel path for it. Attaches at the core's step loop
-(`LLMEngine.loop`, with `overlap_scheduling=True` on a single rank).
+Owns: the step in flight and the cancel path for it. A StepLoop (the core's step-loop point), in
+the plain loop's place with `overlap_scheduling=True` on a single rank.
 """
-from collections.abc import Callable
-
 import numpy as np
 
-from nanoserve.llm_engine import LLMEngine
-from nanoserve.model_runner import ModelRunner, StepOutput
-from nanoserve.scheduler import Batch, Scheduler
+from nanoserve.llm_engine import StepLoop
+from nanoserve.model_runner import StepOutput
+from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 PENDING = -1  # token id placeholder: sampled by a step still running on the GPU
 
 
-class OverlapLoop:
-    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner,
-                 postprocess: Callable[[Batch, StepOutput, list[int]], list[Sequence]] | None
-                 = None) -> None:
-        """postprocess: the engine's (observers, then the scheduler); the scheduler's alone."""
-        self.scheduler, self.model_runner = scheduler, model_runner
-        self.postprocess = postprocess or (lambda b, _, tokens: scheduler.postprocess(b, tokens))
-        # the next step: scheduled, then launched (its StepOutput set), not yet postprocessed
-        self.ahead: tuple[Batch, StepOutput | None] | None = None
+class OverlapLoop(StepLoop):
+    # the next step: scheduled, then launched (its StepOutput set), not yet postprocessed
+    ahead: tuple[Batch, StepOutput | None] | None = None
 
     def step(self) -> tuple[list[Sequence], Batch]:
         """Postprocess one step, with the step after it already launched when possible."""
-        (batch, out), self.ahead = self.ahead or (self.scheduler.schedule(), None), None
+        if self.ahead is None:
+            batch, out = self.scheduler.schedule(), None
+        else:
+            (batch, out), self.ahead = self.ahead, None
         try:
-            out = out or self.model_runner.run(batch)  # launched now, if it was not ahead
+            if out is None:  # launched now, as it was not ahead
+                out = self.model_runner.run(batch)
             self._launch_next(batch, out)
             return self._postprocess(batch, out), batch
         except BaseException:  # neither step will be postprocessed
@@ -102,7 +98,3 @@ class OverlapLoop:
                 seq.token_ids.pop()
         self.scheduler.cancel(batch)
 
-
-def attach(engine: LLMEngine) -> OverlapLoop:
-    engine.loop = OverlapLoop(engine.scheduler, engine.model_runner, engine.postprocess)
-    return engine.loop

@@ -7,87 +7,85 @@ measures both). Here a prefill of one sequence with at most GRAPH_TOKENS[-1] key
 (its cached prefix and its new tokens) replays the graph captured for the smallest size that
 holds them: new tokens and keys padded to that size, the padded tokens writing the spare block
 (slot -1) and read by no query (the sequence ends before them, by cu_seqlens). Batches of several
-sequences, and longer prompts, run eagerly. Attaches at the model runner's forward pass
-(`ModelRunner.forward`) with `prefill_graphs=True` (the default), on one GPU rank with CUDA graphs
-(not enforce_eager).
+sequences, and longer prompts, run eagerly. The graph runner (the core's third point): a
+DecodeGraphs that replays these prefills too, chosen by the model runner with
+`prefill_graphs=True` (the default) on one GPU rank with CUDA graphs (not enforce_eager), not with
+batch_invariant (its own prefill attention, eager). In float32 it captures no prefill (its
+prefill attention, the torch reference, reads cu_seqlens on the host).
 """
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from nanoserve.cuda_graphs import pinned
-from nanoserve.layers import ForwardContext, forward_context
-from nanoserve.llm_engine import LLMEngine
-from nanoserve.model_runner import ModelRunner
+from nanoserve.cuda_graphs import DecodeGraphs, pinned
+from nanoserve.layers import Backends, ForwardContext, forward_context
+from nanoserve.models import DecoderModel
 
 GRAPH_TOKENS = [16, 32, 64] + list(range(128, 2049, 128))  # the key counts captured
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where prefill attention is FlashAttention's
 
 
-class PrefillGraphs:
-    def __init__(self, runner: ModelRunner) -> None:
-        """Capture a graph per size in GRAPH_TOKENS, largest first, in the decode graphs' pool."""
-        self.runner, self.eager_forward = runner, runner.forward
-        n, int64 = GRAPH_TOKENS[-1], dict(dtype=torch.int64, device=runner.device)
+class PrefillGraphs(DecodeGraphs):
+    def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
+                 make_context: Callable[[ForwardContext], ForwardContext],
+                 backends: Backends) -> None:
+        """The decode graphs, then a prefill graph per size in GRAPH_TOKENS, largest first, in
+        their pool."""
+        super().__init__(model, max_batch, max_blocks_per_seq, make_context, backends)
+        weight = model.lm_head.weight
+        n, int64 = GRAPH_TOKENS[-1], dict(dtype=torch.int64, device=weight.device)
         # static inputs that every graph reads, (n,) each; cu_seqlens (2,): one sequence
-        self.buffers = {name: torch.zeros(n, **int64)
-                        for name in ("input_ids", "positions", "context_slots")}
-        self.buffers["slot_mapping"] = torch.full((n,), -1, dtype=torch.int32, device=runner.device)
+        self.prefill_buffers = {name: torch.zeros(n, **int64)
+                                for name in ("input_ids", "positions", "context_slots")}
+        self.prefill_buffers["slot_mapping"] = torch.full((n,), -1, dtype=torch.int32,
+                                                          device=weight.device)
         for name in ("cu_seqlens_q", "cu_seqlens_k"):
-            self.buffers[name] = torch.tensor([0, n], dtype=torch.int32, device=runner.device)
-        self.hidden = runner.model.lm_head.weight.new_zeros(n, runner.model.lm_head.weight.shape[1])
+            self.prefill_buffers[name] = torch.tensor([0, n], dtype=torch.int32,
+                                                      device=weight.device)
+        self.hidden = weight.new_zeros(n, weight.shape[1])
         self.num_replays = 0
-        with torch.inference_mode():
-            self.graphs = {size: self._capture(size) for size in reversed(GRAPH_TOKENS)}
-        runner.forward = self.forward
+        sizes = GRAPH_TOKENS if weight.dtype in FLASH_DTYPES else []
+        self.prefill_graphs = {size: self._capture_prefill(size) for size in reversed(sizes)}
 
-    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+    def _capture_prefill(self, size: int) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        self.buffers["cu_seqlens_q"][1] = self.buffers["cu_seqlens_k"][1] = size  # every row
+        self.prefill_buffers["cu_seqlens_q"][1] = self.prefill_buffers["cu_seqlens_k"][1] = size
         self.run(size)  # warm-up, not captured
-        with torch.cuda.graph(graph, self.runner.graphs.pool):
+        with torch.cuda.graph(graph, self.pool):
             self.run(size)
         return graph
 
     def run(self, size: int) -> None:
         """The forward pass a graph of `size` holds: the first size rows of the buffers."""
         b = {name: buf if name.startswith("cu_") else buf[:size]
-             for name, buf in self.buffers.items()}
+             for name, buf in self.prefill_buffers.items()}
         with forward_context(ForwardContext(is_prefill=True, max_seqlen_q=size, max_seqlen_k=size,
                                             **b)):
-            self.hidden[:size] = self.runner.model(b["input_ids"], b["positions"])
+            self.hidden[:size] = self.model(b["input_ids"], b["positions"])
 
-    def fits(self, inputs: ForwardContext) -> bool:
-        """A prefill of one sequence whose keys fit the largest graph."""
-        return (inputs.is_prefill and len(inputs.cu_seqlens_q) == 2
+    def can_replay(self, inputs: ForwardContext) -> bool:
+        """A decode batch that fits a decode graph, or a prefill of one sequence whose keys fit
+        the largest prefill graph."""
+        if not inputs.is_prefill:
+            return super().can_replay(inputs)
+        return (len(inputs.cu_seqlens_q) == 2 and bool(self.prefill_graphs)
                 and len(inputs.context_slots) <= GRAPH_TOKENS[-1])
 
-    @torch.inference_mode()
-    def forward(self, inputs: ForwardContext, input_ids: Tensor | None = None) -> Tensor | None:
-        """ModelRunner.forward: logits (1, V) from a graph when inputs fits one, else eagerly."""
-        if not self.fits(inputs):
-            return self.eager_forward(inputs, input_ids)
-        buf, n = self.buffers, len(inputs.positions)  # n new tokens
+    def replay(self, inputs: ForwardContext, input_ids: Tensor) -> Tensor:
+        """Run the forward of inputs; returns (graph size, hidden), padded rows included."""
+        if not inputs.is_prefill:
+            return super().replay(inputs, input_ids)
+        buf, n = self.prefill_buffers, len(inputs.positions)  # n new tokens
         size = next(s for s in GRAPH_TOKENS if s >= len(inputs.context_slots))
-        # straight into the buffers, as DecodeGraphs.replay copies (from pinned memory on CUDA)
-        host = pinned if self.runner.device.type == "cuda" else torch.from_numpy
+        # straight into the buffers, as the decode graphs' replay copies (from pinned memory on
+        # CUDA; tests/test_prefill_graphs.py replays on the CPU)
+        host = pinned if self.hidden.is_cuda else torch.from_numpy
         for name in ("positions", "slot_mapping", "context_slots", "cu_seqlens_q", "cu_seqlens_k"):
             array = getattr(inputs, name)
             buf[name][:len(array)].copy_(host(array), non_blocking=True)
-        buf["input_ids"][:n].copy_(host(inputs.input_ids) if input_ids is None else input_ids,
-                                   non_blocking=True)
+        buf["input_ids"][:n].copy_(input_ids)
         buf["slot_mapping"][n:size].fill_(-1)  # padded tokens write the spare block
-        self.graphs[size].replay()
+        self.prefill_graphs[size].replay()
         self.num_replays += 1
-        # logits at the last new token only: (1, V), the LM head's shape of a one-sequence decode
-        return self.runner.model.lm_head(self.hidden[n - 1:n])
-
-
-def attach(engine: LLMEngine) -> PrefillGraphs | None:
-    """None with tensor parallelism (graphs captured by rank 0 alone would hold all-reduces the
-    other ranks never join), in float32 (its prefill attention, the torch reference, reads
-    cu_seqlens on the host) and with batch_invariant (its own prefill attention, eager)."""
-    runner, config = engine.model_runner, engine.model_runner.config
-    if (engine.workers is not None or config.torch_dtype not in FLASH_DTYPES
-            or config.batch_invariant):
-        return None
-    return PrefillGraphs(runner)
+        return self.hidden[:size]

@@ -12,18 +12,18 @@ blocks go back. Greedy and seeded requests get the tokens they get without specu
 ones keep the model's distribution (each token is the plain sampler's draw given those before).
 Each accepted token is recorded as a step of its own would record it (EOS, stop tokens,
 max_tokens, logprobs, the prefix cache's hashes), so only accepted tokens enter the cache's index.
-Attaches at the core's step loop (LLMEngine.loop). Overlap scheduling composes with it as its
-fallback: a step's drafts need the tokens of the step before, so a step with drafts is never
-overlapped, but a large batch that proposes nothing hands its steps to the overlap loop.
+A StepLoop (the core's step-loop point), on top of the loop it would replace, its fallback (the
+plain loop, or overlap's): a step's drafts need the tokens of the step before, so a step with
+drafts is never overlapped, but a large batch that proposes nothing hands its steps to it.
 """
+import dataclasses
 import logging
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 
 from nanoserve.config import cdiv
-from nanoserve.llm_engine import LLMEngine
+from nanoserve.llm_engine import LLMEngine, StepLoop
 from nanoserve.model_runner import StepOutput
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
@@ -70,7 +70,7 @@ class NgramIndex:
         return [] if best is None else tokens[best + 1:best + 1 + k]
 
 
-@dataclass
+@dataclasses.dataclass
 class SpecStats:
     """Counts since start-up, named like vLLM's spec_decode counters."""
     num_drafts: int = 0  # sequence-steps that proposed drafts
@@ -88,31 +88,34 @@ class SpecStats:
         self.num_accepted_tokens += num_accepted_tokens
 
 
-class SpeculativeLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+class SpeculativeLoop(StepLoop):
+    def __init__(self, engine: LLMEngine, fallback: StepLoop) -> None:
+        """fallback: the loop that runs the steps without drafts (see PROBE_EVERY)."""
+        super().__init__(engine.scheduler, engine.model_runner, engine.postprocess)
         cfg = engine.config
         if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={cfg.prompt_lookup_min} exceeds prompt_lookup_max"
                              f"={cfg.prompt_lookup_max}: the lookup's n-gram sizes are a range")
-        self.engine, self.scheduler, self.runner = engine, engine.scheduler, engine.model_runner
+        self.config, self.fallback = cfg, fallback
         self.k, self.stats, self.last_step = cfg.num_speculative_tokens, SpecStats(), SpecStats()
         # per sequence, as long as it lives: its lookup index and its own counts
         self.indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
         self.requests: weakref.WeakKeyDictionary[Sequence, SpecStats] = weakref.WeakKeyDictionary()
-        self.max_rows = self.runner.max_graph_batch or cfg.max_num_seqs * (1 + self.k)
-        self.fallback = engine.loop  # overlap's loop (None: off): it runs the steps without drafts
+        self.max_rows = self.model_runner.max_graph_batch or cfg.max_num_seqs * (1 + self.k)
         self.probe = 0  # steps left to the fallback before the next try at drafting
         self.probe_every = PROBE_EVERY  # the next wait, doubled by each try that finds nothing
+        logger.info(f"speculative decoding: {cfg.speculative_method}, up to {self.k} tokens per "
+                    f"step, n-grams of {cfg.prompt_lookup_min}..{cfg.prompt_lookup_max} tokens; "
+                    f"steps without drafts: {type(fallback).__name__}")
 
     def step(self) -> tuple[list[Sequence], Batch]:
         """A prefill as the plain loop runs it, or a decode step with every sequence's drafts;
         or the fallback's step (see PROBE_EVERY)."""
-        if self.fallback is not None:
-            if self.probe > 0 and len(self.scheduler.running) > SMALL_BATCH:
-                self.probe -= 1
-                return self.fallback.step()
-            if (in_flight := self.fallback.finish()) is not None:  # its step launched ahead
-                return in_flight
+        if self.probe > 0 and len(self.scheduler.running) > SMALL_BATCH:
+            self.probe -= 1
+            return self.fallback.step()
+        if (in_flight := self.fallback.finish()) is not None:  # its step launched ahead
+            return in_flight
         batch, drafts = self.scheduler.schedule_prefill(), {}
         if not batch.seqs:
             drafts = self.propose()
@@ -120,7 +123,7 @@ class SpeculativeLoop:
             in_batch = set(batch.seqs)  # drafts of sequences left out (preempted) go
             self.drop_drafts([seq for seq in drafts if seq not in in_batch], drafts)
         try:
-            out = self.runner.run(self.rows(batch, drafts) if drafts else batch)
+            out = self.model_runner.run(self.rows(batch, drafts) if drafts else batch)
             token_ids = out.tolist()
         except BaseException:
             self.drop_drafts(list(drafts), drafts)
@@ -130,7 +133,7 @@ class SpeculativeLoop:
             if not batch.is_prefill:
                 self.probe, self.probe_every = self.probe_every, min(2 * self.probe_every,
                                                                      MAX_PROBE_EVERY)
-            return self.engine.postprocess(batch, out, token_ids), batch
+            return self.postprocess(batch, out, token_ids), batch
         self.probe_every = PROBE_EVERY
         # what the step computed: each sequence's newest token and its drafts
         num_new = [1 + len(drafts.get(seq, ())) for seq in batch.seqs]
@@ -145,8 +148,8 @@ class SpeculativeLoop:
         for seq in running:
             params = seq.params
             limit = min(self.k, room, params.max_tokens - seq.num_output_tokens - 1)
-            index = self.indexes.setdefault(seq, NgramIndex(self.engine.config.prompt_lookup_min,
-                                                            self.engine.config.prompt_lookup_max))
+            index = self.indexes.setdefault(seq, NgramIndex(self.config.prompt_lookup_min,
+                                                            self.config.prompt_lookup_max))
             if limit > 0 and (draft := index.propose(seq.token_ids, limit)):
                 drafts[seq], room = draft, room - len(draft)
         bm = self.scheduler.block_manager
@@ -190,17 +193,14 @@ class SpeculativeLoop:
             for stats in (self.stats, self.last_step, self.requests.setdefault(seq, SpecStats())):
                 stats.add(len(draft), num_accepted)
         self.drop_drafts(list(drafts), drafts)  # each token is appended again as it is recorded
-        finished, stop = [], self.engine.extensions.get("stop_strings")
-        for j in range(max(map(len, emitted))):
+        finished = []
+        for j in range(max(map(len, emitted))):  # (a stop string ends a sequence's run there)
             now = [(seq, rows[j]) for seq, rows in zip(batch.seqs, emitted)
                    if j < len(rows) and not seq.is_finished]
             seqs, rows = [seq for seq, _ in now], [r for _, r in now]
             if seqs:
-                step = Batch.decode(seqs)
-                finished += self.engine.postprocess(step, select(out, rows),
-                                                    [token_ids[r] for r in rows])
-                if stop is not None:  # a stop string ends the run at the token that completes it
-                    finished += stop.after_step(step, [])
+                finished += self.postprocess(Batch.decode(seqs), select(out, rows),
+                                             [token_ids[r] for r in rows])
         bm = self.scheduler.block_manager
         for seq in batch.seqs:  # the blocks only rejected drafts were to fill go back
             if not seq.is_finished:
@@ -215,14 +215,17 @@ class SpeculativeLoop:
         return (f", drafts {last.num_accepted_tokens}/{last.num_draft_tokens} accepted, "
                 f"{self.stats.mean_accepted_length:.2f} tokens/draft step")
 
-    def finish(self) -> None:
-        """The fallback's step in flight, if any, is postprocessed (its own steps leave none)."""
-        if self.fallback is not None:
-            self.fallback.finish()
+    def counts(self, seq: Sequence | None = None) -> dict[str, int]:
+        """SpecStats' counts since start-up, or seq's ({} if it ran no decode step here)."""
+        stats = self.stats if seq is None else self.requests.get(seq)
+        return {} if stats is None else dataclasses.asdict(stats)
+
+    def finish(self) -> tuple[list[Sequence], Batch] | None:
+        """The fallback's step in flight, if any (its own steps leave none)."""
+        return self.fallback.finish()
 
     def cancel(self) -> None:
-        if self.fallback is not None:
-            self.fallback.cancel()
+        self.fallback.cancel()
 
 
 def select(out: StepOutput, rows: list[int]) -> StepOutput:
@@ -231,13 +234,3 @@ def select(out: StepOutput, rows: list[int]) -> StepOutput:
     return StepOutput(out.host[index], out.host[index], None,
                       {name: tuple(t[index] for t in ts) for name, ts in out.extras.items()})
 
-
-def attach(engine: LLMEngine) -> SpeculativeLoop:
-    engine.loop = SpeculativeLoop(engine)
-    cfg = engine.config
-    overlap = ("overlap scheduling runs the steps without drafts" if engine.loop.fallback else
-               "overlap scheduling off")
-    logger.info(f"speculative decoding: {cfg.speculative_method}, up to "
-                f"{cfg.num_speculative_tokens} tokens per step, n-grams of "
-                f"{cfg.prompt_lookup_min}..{cfg.prompt_lookup_max} tokens; {overlap}")
-    return engine.loop

@@ -6,14 +6,16 @@ and leaves the string out.
 Stop strings are matched on the text, not on tokens: a string may span several tokens, and a
 token may hold more than the string. So a request with stop strings has its text decoded step by
 step (a StopStringStream, the core's TextStream that also searches), and while a stop string may
-still be completing, its length minus one characters are held back from a stream. Attaches at the
-core's "a step's outputs" point: after each step it finishes the requests whose text stopped.
+still be completing, its length minus one characters are held back from a stream. An Extension:
+on_request gives a request with stop strings its StopStringStream; after_tokens, once a step's
+tokens are recorded, finishes the requests whose text stopped.
 """
 from transformers import PreTrainedTokenizerFast
 
-from nanoserve.llm_engine import LLMEngine, StepObserver, TextStream
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.model_runner import Extension
 from nanoserve.scheduler import Batch
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import Sequence, TextStream
 
 
 class StopStringStream(TextStream):
@@ -43,14 +45,15 @@ class StopStringStream(TextStream):
         return out
 
 
-class StopStrings(StepObserver):
+class StopStrings(Extension):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    def stream(self, seq: Sequence, streamed: bool) -> StopStringStream:
-        return StopStringStream(self.engine.tokenizer, seq.params.stop, streamed)
+    def on_request(self, seq: Sequence, streamed: bool) -> StopStringStream | None:
+        if seq.params.stop:
+            return StopStringStream(self.engine.tokenizer, seq.params.stop, streamed)
 
-    def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
+    def after_tokens(self, batch: Batch) -> list[Sequence]:
         """Decode the new tokens of the batch's stop-string requests; finish those that met a
         stop string. Returns them."""
         stopped = []
@@ -64,7 +67,3 @@ class StopStrings(StepObserver):
         self.engine.scheduler.abort(stopped, reason="stop")  # finish_reason "stop" for each
         return stopped
 
-
-def attach(engine: LLMEngine) -> StopStrings:
-    engine.observers.insert(0, stop := StopStrings(engine))  # before the trace and timeline
-    return stop

@@ -4,8 +4,9 @@ Owns: the record (a column per step, a row per request: prefill chunks, decodes,
 recompute, prefix-cache hits, the finish; per step: tokens, batch size, KV blocks in use) and its
 matplotlib figure. Does not own scheduling: it reads what the scheduler did from host-side state it
 already keeps (the batch, the queues, extensions.stats), so recording adds no device sync, and an
-engine without `timeline=True` builds none (nor imports this module, or matplotlib). Attaches at
-the core's "a step's outputs" point (a StepObserver); users read it as `llm.timeline`:
+engine without `timeline=True` builds none (nor imports this module, or matplotlib). An
+Extension: after_step adds a column, on_tokens counts the kept tokens, on_abort ends a row; users
+read it as `llm.timeline`:
 
     llm = LLM(timeline=True)                 # or: python example.py --timeline timeline.png
     llm.generate(prompts, params)
@@ -22,10 +23,10 @@ from typing import NamedTuple
 import numpy as np
 from matplotlib import colors, figure, patches  # a bare Figure, no pyplot: no global state
 
-from nanoserve.config import Config
 from nanoserve.extensions.stats import scheduler_stats
-from nanoserve.llm_engine import LLMEngine, StepObserver
-from nanoserve.scheduler import Batch, Scheduler
+from nanoserve.llm_engine import LLMEngine
+from nanoserve.model_runner import Extension
+from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 # a request's cell in a step (0: none, before it arrived or after it finished). IDLE: running,
@@ -58,19 +59,20 @@ class Step(NamedTuple):
     num_waiting: int  # requests in the waiting queue after the step
 
 
-class Timeline(StepObserver):
+class Timeline(Extension):
     """The record: rows (dict[int, Row], by seq_id) and steps (list[Step], one per column)."""
 
-    def __init__(self, config: Config, scheduler: Scheduler) -> None:
-        self.config, self.scheduler = config, scheduler
+    def __init__(self, engine: LLMEngine) -> None:
+        """Records engine's steps from now on (engine: its config and scheduler are read)."""
+        self.config, self.scheduler = engine.config, engine.scheduler
         # num_preemptions: the scheduler's running count as last seen (it may start above 0)
         self.rows, self.steps, self.num_sampled = {}, [], 0
-        self.num_preemptions = scheduler_stats(scheduler).num_preemptions
+        self.num_preemptions = scheduler_stats(self.scheduler).num_preemptions
 
-    def after_step(self, batch: Batch, finished: list[Sequence]) -> list[Sequence]:
+    def after_step(self, batch: Batch, finished: list[Sequence]) -> None:
         """Add a column: `batch` was just postprocessed and `finished` ended in it (they are the
         batch's sequences finished now, which is how they are found). Costs O(batch + arrivals +
-        preemptions): it never walks the whole queues. Finishes nothing itself: returns []."""
+        preemptions): it never walks the whole queues."""
         step, sched, stats = len(self.steps), self.scheduler, scheduler_stats(self.scheduler)
         for seq in batch.seqs:  # each seen at its first prefill at the latest
             row = self.rows.setdefault(seq.seq_id, Row(seq.seq_id, seq.num_prompt_tokens, step))
@@ -90,7 +92,6 @@ class Timeline(StepObserver):
         kept, self.num_sampled = self.num_sampled, 0
         self.steps.append(Step(batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens), kept,
                                stats.num_blocks - stats.num_free_blocks, stats.num_waiting))
-        return []
 
     def on_tokens(self, batch: Batch, out: object, token_ids: list[int]) -> None:
         self.num_sampled += len(token_ids)  # speculation records a step's tokens in rounds
@@ -168,8 +169,3 @@ class Timeline(StepObserver):
         fig.savefig(path, dpi=100)
         return fig
 
-
-def attach(engine: LLMEngine) -> Timeline:
-    engine.timeline = Timeline(engine.config, engine.scheduler)
-    engine.observers.append(engine.timeline)
-    return engine.timeline

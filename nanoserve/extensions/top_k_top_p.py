@@ -3,17 +3,17 @@
 `SamplingParams(top_k=k, top_p=p)` draws only from the k likeliest tokens, and from the fewest
 likeliest whose probability reaches p.
 
-Attaches at the model runner's sampling hooks, before the sampler: the logits outside the kept
-set become -inf, so the core's sampler, which divides by the temperature, draws from the rest
-with their probabilities renormalized. The set is chosen at the request's temperature (top-p
-depends on it), and the likeliest token always stays: a greedy row stays greedy.
+An Extension: before_sample, the logits outside the kept set become -inf, so the core's
+sampler, which divides by the temperature, draws from the rest with their probabilities
+renormalized. The set is chosen at the request's temperature (top-p depends on it), and the
+likeliest token always stays: a greedy row stays greedy.
 """
 import numpy as np
 import torch
 from torch import Tensor
 
 from nanoserve.llm_engine import LLMEngine
-from nanoserve.model_runner import ModelRunner, SamplingHook
+from nanoserve.model_runner import Extension
 from nanoserve.sequence import Sequence
 
 TEMPERATURE_MIN = 1e-5  # greedy rows (T = 0) divide by this to rank their tokens
@@ -35,9 +35,9 @@ def mask_top_k_top_p(logits: Tensor, temperatures: Tensor, top_ks: Tensor,
     return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
 
 
-class TopKTopP(SamplingHook):
-    def __init__(self, model_runner: ModelRunner) -> None:
-        self.to_device = model_runner.to_device
+class TopKTopP(Extension):
+    def __init__(self, engine: LLMEngine) -> None:
+        self.to_device = engine.model_runner.to_device
 
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         params = [seq.params for seq in seqs]
@@ -48,7 +48,3 @@ class TopKTopP(SamplingHook):
         top_ps = self.to_device(np.array([p.top_p for p in params], np.float32))
         return mask_top_k_top_p(logits, temperatures, top_ks, top_ps)
 
-
-def attach(engine: LLMEngine) -> TopKTopP:
-    engine.model_runner.sampling_hooks.append(hook := TopKTopP(engine.model_runner))
-    return hook

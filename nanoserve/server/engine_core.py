@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -34,6 +34,7 @@ class TokenStream(TextStream):
 @dataclass
 class FinalOutput(RequestOutput):
     """A request's last output, with what speculative decoding drafted and accepted for it."""
+    num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
@@ -88,17 +89,15 @@ class EngineCore:
     def final(self, out: RequestOutput, seq: Sequence) -> RequestOutput:
         """A request's last output, with speculative decoding's counts for it when it ran."""
         del self.ids[seq.seq_id]
-        spec = self.engine.extensions.get("speculative")
-        if spec is None or (counts := spec.requests.get(seq)) is None:
+        if not (counts := self.engine.loop.counts(seq)):  # speculation's, if it ran
             return out
-        return FinalOutput(**vars(out), num_draft_tokens=counts.num_draft_tokens,
-                           num_accepted_tokens=counts.num_accepted_tokens)
+        return FinalOutput(**vars(out), **counts)
 
     def load(self) -> dict:
         """The replica's queues, KV blocks and speculation totals (the API server's metrics)."""
         load = scheduler_stats(self.engine.scheduler)._asdict()
-        if (spec := self.engine.extensions.get("speculative")) is not None:
-            load["spec"] = asdict(spec.stats)
+        if counts := self.engine.loop.counts():
+            load["spec"] = counts
         return load
 
 
