@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from bench import HBM_BANDWIDTH, QWEN3_0_6B, make_w1, resolve_model_dir
-from nanoserve import LLM, SamplingParams, kernels
+from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.cascade import cascade_decode
-from nanoserve.extensions.fused import gpu_compiled
+from nanoserve.extensions.fused import compiled_steps
 from nanoserve.kernels import paged_decode
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
@@ -153,7 +153,7 @@ def sampler(batch: int, vocab: int = 151_936, calls: int = 20) -> float:
     logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16) * 3
     temperatures = torch.full((batch,), 0.6, device="cuda")
     keys = torch.randint(0, 2**62, (batch,), device="cuda")
-    sample = gpu_compiled(kernels.sample)
+    sample = compiled_steps()["sample"]
     sample(logits, temperatures, keys)  # compile outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -64,7 +64,6 @@ _context: ForwardContext | None = None
 @contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
     global _context
-    assert _context is None, "forward contexts do not nest"
     _context = ctx
     try:
         yield ctx
@@ -73,12 +72,16 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 
 
 def get_forward_context() -> ForwardContext:
-    assert _context is not None, "model called outside forward_context()"
+    """The context of the forward pass running now (None outside forward_context())."""
     return _context
 
 
 # ---- elementwise layers --------------------------------------------------------------------------
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm(x: Tensor, weight: Tensor, eps: float,
+             residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """RMS-normalize x; with a residual, first add it (fused add + norm) and return the sum too."""
+    if residual is None:
+        return kernels.rms_norm_ref(x, weight, eps)
     residual = x + residual
     return kernels.rms_norm_ref(residual, weight, eps), residual
 
@@ -96,7 +99,8 @@ def norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor, attn: 
     if q_norm is not None:  # Qwen3: RMS-normalize each head of q and k
         q, k = q_norm(q), k_norm(k)
     q, k = rotary(positions, q, k)  # rotate each head by its token's position
-    attn.store_kv(k, v)  # into the paged cache, at the tokens' slots
+    if attn.k_cache.numel():  # into the paged cache at the tokens' slots (none before it exists)
+        kernels.store_kv(k, v, attn.k_cache, attn.v_cache, get_forward_context().slot_mapping)
     return q, k
 
 
@@ -123,8 +127,7 @@ class Backends:
     """What the model computes with: the plain steps here. The model runner chooses one Backends
     when it is built, before the model (an extension whose setting is on gives other steps), and
     every layer keeps the one it was built with."""
-    rms_norm: Callable = kernels.rms_norm_ref
-    add_rms_norm: Callable = add_rms_norm
+    rms_norm: Callable = rms_norm
     silu_and_mul: Callable = silu_and_mul
     norm_rotary_store: Callable = norm_rotary_store
     linear: Callable = F.linear  # y = x W^T + b, the products of every linear layer
@@ -145,9 +148,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """RMS-normalize x; with a residual, first add it (fused add + norm); return the sum too."""
-        if residual is None:
-            return self.backends.rms_norm(x, self.weight, self.eps)
-        return self.backends.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.backends.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -272,15 +273,9 @@ class Attention(nn.Module):
         self.scale, self.backends = head_dim ** -0.5, backends
         self.k_cache = self.v_cache = torch.tensor([])  # (num_blocks, B, Hkv, D), set by the runner
 
-    def store_kv(self, k: Tensor, v: Tensor) -> None:
-        """Write the new tokens' k and v (N, Hkv, D) into the cache at their slots."""
-        if self.k_cache.numel():  # the profiling run, before the cache exists, stores nothing
-            kernels.store_kv(k, v, self.k_cache, self.v_cache, get_forward_context().slot_mapping)
-
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (N, H, D), k and v (N, Hkv, D) of the new tokens, already in the cache -> (N, H, D)."""
         ctx = get_forward_context()  # decode: one new token per sequence against its blocks
-        if ctx.is_prefill:
-            return self.backends.prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx,
-                                                   self.scale)
-        return self.backends.decode_attention(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        b = self.backends
+        attend = b.prefill_attention if ctx.is_prefill else b.decode_attention
+        return attend(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

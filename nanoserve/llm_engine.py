@@ -45,13 +45,12 @@ class StepLoop:
     """The step loop's verbs, and the plain loop: schedule a batch, run it, wait for its tokens,
     record them; each step after the one before. An extension's loop (overlap scheduling,
     speculative decoding) keeps the verbs and runs the same calls in another order."""
+    progress = ""  # the loop's own figures, for the progress bar and the trace (none here)
 
     def __init__(self, scheduler: Scheduler, model_runner: ModelRunner,
-                 postprocess: Callable[[Batch, StepOutput, list[int]], list[Sequence]] | None
-                 = None) -> None:
-        """postprocess: the engine's (LLMEngine.postprocess); by default the scheduler's alone."""
-        self.scheduler, self.model_runner = scheduler, model_runner
-        self.postprocess = postprocess or (lambda b, _, tokens: scheduler.postprocess(b, tokens))
+                 postprocess: Callable[[Batch, StepOutput, list[int]], list[Sequence]]) -> None:
+        """postprocess: records a step's tokens (LLMEngine.postprocess)."""
+        self.scheduler, self.model_runner, self.postprocess = scheduler, model_runner, postprocess
 
     def step(self) -> tuple[list[Sequence], Batch]:
         """Run one batch and record its tokens; return the sequences that finished and the batch."""
@@ -69,11 +68,6 @@ class StepLoop:
 
     def cancel(self) -> None:
         """Drop the step still in flight, if any, after a failure (none here)."""
-
-    @property
-    def progress(self) -> str:
-        """The loop's own figures, for the progress bar and the trace (none here)."""
-        return ""
 
     def counts(self, seq: Sequence | None = None) -> dict[str, int]:
         """The loop's own counts, for one request or since start-up (none here)."""
@@ -101,7 +95,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
                              f"fields of nanoserve.config.Config: {names}")
         self.config = cfg = Config(model or default_model_dir(), **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        # ranks 1..N-1 in their own processes
+        # ranks 1..N-1, each in a process of its own
         self.workers = Workers(cfg, ModelRunner) if cfg.tensor_parallel_size > 1 else None
         self.model_runner: ModelRunner | None = None
         self.extensions: list[Extension] = []  # in EXTENSIONS' order; the model runner's too
@@ -118,8 +112,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         self.loop = self._make_loop()
         if cfg.trace:
             self.switch_on("trace")
-        # with timeline=True, the record of every step
-        self.timeline = self.switch_on("timeline") if cfg.timeline else None
+        self.timeline = self.switch_on("timeline") if cfg.timeline else None  # every step's record
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
         # out of Python's full garbage collections, which scan every object alive and pause the
         # engine while they do (docs/performance.md); shutdown unfreezes them.
@@ -129,11 +122,11 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
     def switch_on(self, name: str) -> Extension:
         """The one way an Extension joins the engine, whether a setting or a request field asks:
         import module `name` (ValueError if it is missing), build its Extension once, and place it
-        in self.extensions by EXTENSIONS' order. Returns it."""
+        in self.extensions by EXTENSIONS' order (before any the program added). Returns it."""
         if name not in self.switched_on:
-            self.switched_on[name] = getattr(extension(name), EXTENSIONS[name])(self)
-            on = [self.switched_on[n] for n in EXTENSIONS if n in self.switched_on]
-            self.extensions[:] = on + [e for e in self.extensions if e not in on]  # (bench's last)
+            self.switched_on[name] = ext = getattr(extension(name), EXTENSIONS[name])(self)
+            order = sorted(self.switched_on, key=list(EXTENSIONS).index)
+            self.extensions.insert(order.index(name), ext)
         return self.switched_on[name]
 
     def _make_loop(self) -> StepLoop:
@@ -203,11 +196,9 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         """The extensions see the new request; one may follow its text (stop strings, matched on
         the text as it grows). Otherwise a streamed one is decoded step by step, and any other
         once, when it finishes."""
-        for ext in self.extensions:
-            if (text := ext.on_request(seq, streamed)) is not None:
-                self.streams[seq.seq_id] = text
-        if streamed and seq.seq_id not in self.streams:
-            self.streams[seq.seq_id] = TextStream(self.tokenizer, streamed)
+        texts = [text for ext in self.extensions if (text := ext.on_request(seq, streamed))]
+        if texts or streamed:
+            self.streams[seq.seq_id] = texts[0] if texts else TextStream(self.tokenizer, streamed)
 
     def abort_request(self, seq: Sequence) -> None:
         """Finish a request now (its client went away): its blocks are free at once."""
@@ -223,9 +214,7 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
 
     def stream_step(self) -> list[RequestOutput]:
         """Run one step (none when idle); return what it added to each streamed request."""
-        if not self.has_unfinished():
-            return []
-        _, batch = self.step()
+        batch = self.step()[1] if self.has_unfinished() else Batch.decode([])
         return [out for seq in batch.seqs if (out := self._stream_output(seq)) is not None]
 
     def stream(self, prompt: str | list[int],
@@ -250,14 +239,12 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
 
     def postprocess(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
         """Record a step's tokens (the loop calls it; speculation once per round of a step): the
-        extensions see them, the scheduler records them, the extensions finish what they stop.
-        Returns the finished."""
-        for ext in self.extensions:
-            ext.on_tokens(batch, out, token_ids)
+        scheduler records them, then the extensions see them and finish what they stop. Returns
+        the finished."""
         self.num_sampled += len(token_ids)  # for the progress bar (a prompt's chunks count too)
         finished = self.scheduler.postprocess(batch, token_ids)
         for ext in self.extensions:
-            finished += ext.after_tokens(batch)
+            finished += ext.on_tokens(batch, out, token_ids)
         return finished
 
     def _stream_output(self, seq: Sequence) -> RequestOutput | None:

@@ -5,9 +5,9 @@ and sampling. With tensor parallelism there is one ModelRunner per rank: rank 0 
 on the host (`prepare`), sends the ForwardContext to the other ranks (distributed.Workers), every
 rank runs `forward` and joins the collectives, and rank 0 alone samples.
 Does not own: which sequences run (scheduler), which blocks they hold (block_manager), the CUDA
-graphs (cuda_graphs) or the worker processes (distributed).
+graphs (extensions.cuda_graphs) or the worker processes (distributed).
 Extension points: the host side's Extensions (`Extension`, in the engine's list; the runner
-calls their sampling hooks), and on the device side the backends (`_choose_backends`: what the
+calls their sampling hooks), and on the device side the backends (`choose_backends`: what the
 layers compute with, the cache dtype, cascade's shared prefix) and the graph runner (decode
 graphs, or extensions.prefill_graphs' that replay a lone prompt's prefill too), each chosen once,
 when the runner is built, from the settings.
@@ -25,7 +25,6 @@ from torch import Tensor
 
 from nanoserve import kernels, layers
 from nanoserve.config import Config, cdiv, extension
-from nanoserve.cuda_graphs import DecodeGraphs, graph_batch_size, pinned
 from nanoserve.distributed import DIST_TIMEOUT, PEER_EXIT_WAIT_SECONDS, Workers
 from nanoserve.layers import ForwardContext, forward_context
 from nanoserve.models import DecoderModel
@@ -34,9 +33,21 @@ from nanoserve.sequence import Sequence, TextStream
 from nanoserve.weights import load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on the CPU when num_kvcache_blocks is not given: 1 GiB
+GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch sizes captured
 KEY_LIMIT = 1 << 63  # sampling keys are int64 >= 0
 
 logger = logging.getLogger("nanoserve")
+
+
+def graph_batch_size(num_seqs: int) -> int:
+    """The captured size for num_seqs sequences: the smallest that holds them, else the largest."""
+    return next((b for b in GRAPH_BATCH_SIZES if b >= num_seqs), GRAPH_BATCH_SIZES[-1])
+
+
+def pinned(array: np.ndarray) -> Tensor:
+    """array in pinned host memory: a copy from there to the GPU is queued and returns at once,
+    while one from pageable memory waits for every queued kernel, stalling the host."""
+    return torch.from_numpy(array).pin_memory()
 
 
 def sampling_key(seed: int, position: int) -> int:
@@ -44,6 +55,21 @@ def sampling_key(seed: int, position: int) -> int:
     (Python's hash of a tuple of ints is the same in every process), so the draw is the same in
     any batch, in any order, after preemption and with or without overlap."""
     return hash((seed, position)) % KEY_LIMIT
+
+
+def choose_backends(cfg: Config, device: torch.device) -> layers.Backends:
+    """The device side's extension point: what the layers compute with, chosen once, before the
+    model is built. Each extension whose setting is on builds on the backends chosen before it
+    (batch_invariant replaces the products, norms and attention; fused's other steps stay)."""
+    backends = layers.Backends()
+    triton = device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
+    for name, on in (("fused", cfg.fused_kernels and triton),
+                     ("cascade", cfg.cascade_attention and triton and not cfg.batch_invariant),
+                     ("batch_invariant", cfg.batch_invariant and triton),
+                     ("fp8", cfg.kv_cache_dtype == "fp8")):
+        if on:
+            backends = extension(name).backends(backends, cfg)
+    return backends
 
 
 @dataclass
@@ -69,7 +95,8 @@ class Extension:
     sampling (rank 0), the engine the others."""
 
     def __init__(self, engine: object) -> None:
-        """Built once by LLMEngine.switch_on, given the engine."""
+        """Built once by LLMEngine.switch_on, given the engine (its tokenizer, scheduler...)."""
+        self.engine = engine
 
     def on_request(self, seq: Sequence, streamed: bool) -> TextStream | None:
         """A request passed validation; return a TextStream to follow its text with, or None."""
@@ -83,11 +110,9 @@ class Extension:
         """The model's logits and the tokens; may add host copies to out.extras (waited for with
         the tokens)."""
 
-    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
-        """A step's tokens (host lists, synced), before the scheduler records them."""
-
-    def after_tokens(self, batch: Batch) -> list[Sequence]:
-        """The tokens are recorded; return the sequences this extension finishes now."""
+    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
+        """A step's tokens (host lists, synced), just recorded by the scheduler: each sequence
+        that got one has it last. Return the sequences this extension finishes now."""
         return []
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> None:
@@ -99,10 +124,11 @@ class Extension:
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, port: int | None = None,
-                 workers: Workers | None = None, extensions: list[Extension] | None = None) -> None:
+                 workers: Workers | None = None, extensions: list[Extension] | tuple = ()) -> None:
         """rank 0 passes the Workers it started (none with one rank), whose port the ranks meet
         at, and the engine's Extensions; ranks > 0 pass that port and no Workers."""
-        self.config, self.rank, self.workers = config, rank, workers
+        # extensions: the engine's list itself (their sampling hooks)
+        self.config, self.rank, self.workers, self.extensions = config, rank, workers, extensions
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
@@ -117,38 +143,19 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         k = config.num_speculative_tokens if config.speculative_method else 0
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
-        self.backends = self._choose_backends()
+        self.backends = choose_backends(config, self.device)
         self.model, self.rng = self._build_model(), np.random.default_rng()  # rng: unseeded keys
-        self.extensions = [] if extensions is None else extensions  # (the engine's list itself)
         self.allocate_kv_cache()
-        # the graph runner, captured on the device; None: every step runs eagerly
-        self.graphs = self._capture_graphs() if use_graphs else None
-
-    def _capture_graphs(self) -> DecodeGraphs:
-        """The graph runner, chosen by setting: the decode graphs, or extensions.prefill_graphs'
-        (a lone prompt's prefill too) on one rank, and not with batch_invariant (whose prefill
-        attention runs eagerly)."""
-        cfg = self.config
-        prefill = cfg.prefill_graphs and cfg.tensor_parallel_size == 1 and not cfg.batch_invariant
-        runner = extension("prefill_graphs").PrefillGraphs if prefill else DecodeGraphs
-        with self.device, torch.inference_mode():
-            return runner(self.model, self.max_graph_batch, self.max_blocks_per_seq,
-                          self._context, self.backends)
-
-    def _choose_backends(self) -> layers.Backends:
-        """The device side's extension point: what the layers compute with, chosen once, before
-        the model is built. Each extension whose setting is on builds on the backends chosen
-        before it (batch_invariant replaces its products, norms and attention, fused's other
-        steps stay)."""
-        cfg, backends = self.config, layers.Backends()
-        triton = self.device.type == "cuda" or kernels.INTERPRETED  # where the kernels run
-        for name, on in (("fused", cfg.fused_kernels and triton),
-                         ("cascade", cfg.cascade_attention and triton and not cfg.batch_invariant),
-                         ("batch_invariant", cfg.batch_invariant and triton),
-                         ("fp8", cfg.kv_cache_dtype == "fp8")):
-            if on:
-                backends = extension(name).backends(backends, cfg)
-        return backends
+        # the graph runner, chosen by setting: extensions.cuda_graphs' decode graphs, or
+        # prefill_graphs' (a lone prompt's prefill too) on one rank, not with batch_invariant
+        # (whose prefill attention runs eagerly); captured on the device. None: all steps eager
+        self.graphs = None
+        if use_graphs:
+            prefill = config.prefill_graphs and config.tensor_parallel_size == 1
+            name = "prefill_graphs" if prefill and not config.batch_invariant else "cuda_graphs"
+            with self.device, torch.inference_mode():
+                self.graphs = extension(name).graph_runner(self.model, self.max_graph_batch,
+                                                           self.max_blocks_per_seq, self.backends)
 
     @torch.inference_mode()
     def _build_model(self) -> DecoderModel:
@@ -215,8 +222,8 @@ class ModelRunner:
             is_prefill=True, input_ids=np.zeros(n, np.int64), slot_mapping=np.full(n, -1, np.int32),
             positions=np.tile(np.arange(seq_len), num_seqs), cu_seqlens_q=cu, cu_seqlens_k=cu,
             max_seqlen_q=seq_len, max_seqlen_k=seq_len))
-        if self.rank == 0:  # compile the sampler now, not during the first requests: torch.compile
-            for rows in (1, 2):  # makes one kernel for 1 row, one for any other number of rows
+        if self.rank == 0:  # a compiled sampler (the backends') compiles now, not in the first
+            for rows in (1, 2):  # requests: torch.compile makes a kernel for 1 row, one for more
                 ones = torch.ones(rows, device=self.device)  # temperatures and keys
                 self.backends.sample(logits[:1].repeat(rows, 1), ones, ones.long())
         torch.cuda.synchronize()
@@ -296,14 +303,14 @@ class ModelRunner:
         return None if logits is None else logits[:num_seqs]
 
     def _context(self, inputs: ForwardContext) -> ForwardContext:
-        """The batch layout on the device, for an eager forward pass or a graph's capture."""
+        """The batch layout on the device, for an eager forward pass."""
         return replace(inputs, **{name: self.to_device(array) for name, array in
                                   vars(inputs).items() if isinstance(array, np.ndarray)})
 
     def _logits_rows(self, cu_seqlens_q: np.ndarray) -> np.ndarray:
         """(rows,) int64: each sequence's last new token, where prefill computes logits. With
         CUDA graphs the last row repeats up to a captured size, so the LM head only meets GEMM
-        shapes it has already run (see cuda_graphs)."""
+        shapes it has already run (see extensions/cuda_graphs.py)."""
         last = cu_seqlens_q[1:].astype(np.int64) - 1  # (S,)
         num_rows = graph_batch_size(len(last)) if len(last) <= self.max_graph_batch else len(last)
         return np.pad(last, (0, num_rows - len(last)), mode="edge")
@@ -317,8 +324,14 @@ class ModelRunner:
             masked = ext.before_sample(masked, seqs)
         if all(seq.params.temperature == 0 for seq in seqs):  # every row greedy: nothing to draw
             token_ids = masked.argmax(-1)  # (S,) int64
-        else:  # the draw decided by each row's key (kernels.sampling, or a backend's)
-            token_ids = self.backends.sample(masked, *self._sampling_inputs(seqs, positions))
+        else:  # the draw decided by each row's key (kernels.sampling, or a backend's): a seeded
+            # row's from its seed and the position of the token it samples, any other's at random
+            random_keys = self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist()
+            keys = [key if seq.params.seed is None else sampling_key(seq.params.seed, position)
+                    for seq, position, key in zip(seqs, positions, random_keys)]
+            temperatures = np.array([seq.params.temperature for seq in seqs], np.float32)
+            token_ids = self.backends.sample(masked, self.to_device(temperatures),
+                                             self.to_device(np.array(keys, np.int64)))
         # on CUDA a copy into pinned memory, queued without waiting; on the CPU token_ids itself
         out = StepOutput(token_ids, token_ids.to("cpu", non_blocking=True))
         for ext in self.extensions:
@@ -326,16 +339,6 @@ class ModelRunner:
         if self.device.type == "cuda":  # after every copy to the host
             out.copied = torch.cuda.current_stream().record_event()
         return out
-
-    def _sampling_inputs(self, seqs: list[Sequence], positions: list[int]) -> tuple[Tensor, Tensor]:
-        """Each row's temperature (S,) and key (S,): a seeded row's from its seed and the position
-        of the token it samples, any other's at random."""
-        keys = self.rng.integers(0, KEY_LIMIT, len(seqs)).tolist()
-        for i, (seq, position) in enumerate(zip(seqs, positions)):
-            if seq.params.seed is not None:
-                keys[i] = sampling_key(seq.params.seed, position)
-        temperatures = np.array([seq.params.temperature for seq in seqs], np.float32)
-        return self.to_device(temperatures), self.to_device(np.array(keys, np.int64))
 
     def run(self, batch: Batch, input_ids: Tensor | None = None) -> StepOutput:
         """One engine step on rank 0: every rank runs the forward pass, rank 0 samples. Returns

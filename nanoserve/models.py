@@ -89,10 +89,9 @@ class DecoderModel(nn.Module):
                       "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: PretrainedConfig, backends: layers.Backends | None = None) -> None:
-        """backends: what every layer computes with (the model runner's choice; None: the plain)."""
+    def __init__(self, cfg: PretrainedConfig, backends: layers.Backends) -> None:
+        """backends: what every layer computes with (the model runner's choice)."""
         super().__init__()
-        backends = backends or layers.Backends()
         self.model = nn.Module()
         self.model.embed_tokens = layers.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                                 backends)

@@ -624,7 +624,7 @@ def test_attention_prefill_reads_what_an_fp8_cache_holds() -> None:
     lens, H, Hkv, D, B = [5, 20], 4, 2, 16, 16
     q = torch.randn(sum(lens), H, D)
     k, v = 3 * torch.randn(sum(lens), Hkv, D), 3 * torch.randn(sum(lens), Hkv, D)
-    attn = layers.Attention(H, Hkv, D)
+    attn = layers.Attention(H, Hkv, D, layers.Backends())
     attn.k_cache, attn.v_cache = (torch.zeros(4, B, Hkv, D, dtype=FP8) for _ in range(2))
     slots = torch.cat([torch.arange(0, 5), torch.arange(16, 36)]).int()  # blocks 0, then 1-2
     cu = cu_seqlens(lens)
@@ -632,7 +632,7 @@ def test_attention_prefill_reads_what_an_fp8_cache_holds() -> None:
                                 cu_seqlens_k=cu, max_seqlen_q=20, max_seqlen_k=20,
                                 context_slots=slots.long())
     with layers.forward_context(ctx):
-        attn.store_kv(k, v)
+        kernels.store_kv(k, v, attn.k_cache, attn.v_cache, slots)
         out = attn(q, k, v)
     rounded = [kernels.to_cache_dtype(x, FP8).float() for x in (k, v)]
     expect = kernels.prefill_attention_ref(q, *rounded, cu, cu, 20, 20, attn.scale)
@@ -744,7 +744,7 @@ def test_sample_gpu(S: int) -> None:
     args = sample_case(max(S, 6), 151_936, torch.bfloat16, "cuda")
     args = [a[:S] for a in args]
     cpu = kernels.sample(*(a.cpu() for a in args))
-    for tokens in (kernels.sample(*args), fused.gpu_compiled(kernels.sample)(*args)):
+    for tokens in (kernels.sample(*args), fused.compiled_steps()["sample"](*args)):
         check_race(args[0].cpu(), args[1].cpu(), tokens.cpu())
         assert (tokens.cpu() != cpu).sum() <= S // 32  # near-ties only
 
@@ -775,7 +775,7 @@ def test_gather_kv_compiled_gpu(cache_dtype: torch.dtype) -> None:
     B, Hkv, D, lens = 16, 8, 128, [5, 0, 170, 320]
     k_cache, v_cache, block_tables, _ = make_paged_kv(lens, B, Hkv, D, cache_dtype, "cuda")
     slots = context_slots(block_tables, lens, B)
-    compiled = fused.gpu_compiled(kernels.gather_kv)(k_cache, v_cache, slots,
+    compiled = fused.compiled_steps()["gather_kv"](k_cache, v_cache, slots,
                                                        torch.bfloat16)
     for got, expect in zip(compiled, kernels.gather_kv(k_cache, v_cache, slots, torch.bfloat16)):
         assert got.dtype == torch.bfloat16 and torch.equal(got, expect)

@@ -40,7 +40,7 @@ def llm(model_dir, monkeypatch, request):
         runner = llm.model_runner
         assert runner.graphs is None  # no graphs on the CPU: the test gives its own
         runner.graphs = prefill_graphs.PrefillGraphs(runner.model, 0, runner.max_blocks_per_seq,
-                                                     runner._context, runner.backends)
+                                                     runner.backends)
         yield llm
 
 

@@ -16,7 +16,7 @@ QWEN_VOCAB = 151_936
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])]
-compiled_sample = fused.gpu_compiled(sampling.sample)  # as the fused backends compile it
+compiled_sample = fused.compiled_steps()["sample"]  # as the fused backends compile it
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -335,6 +335,12 @@ class FakeOutput:
 
 
 
+def overlap_loop(sched: Scheduler, runner: "FakeRunner") -> OverlapLoop:
+    """OverlapLoop driving sched and runner, its steps recorded by the scheduler alone."""
+    return OverlapLoop(sched, runner, lambda batch, _, token_ids: sched.postprocess(batch,
+                                                                                   token_ids))
+
+
 class FakeRunner:
     """ModelRunner's interface without a model: at launch, each sequence's span is derived as
     prepare() derives it, written to a FakeKVCache, and `sample(seq)` is 'sampled'. A step fails
@@ -452,7 +458,7 @@ def test_simulated_run_finishes_everything(model_dir, seed, enable_prefix_cachin
     pending, added, aborted = list(seqs), [], set()
     runner = FakeRunner(fail_rate=0.08 if failures else 0.0, rng=rng, check=lambda batch:
                         check_state(sched, added, batch, budget, max_num_seqs, aborted))
-    loop = OverlapLoop(sched, runner) if overlap else None
+    loop = overlap_loop(sched, runner) if overlap else None
     num_steps = num_failed = num_ahead = 0
     seen_preemption = False
     while pending or sched.has_unfinished() or (loop and loop.ahead):
@@ -491,7 +497,7 @@ def test_overlap_fills_placeholders_and_drops_the_token_after_eos(model_dir):
     for seq in (a, b):
         sched.add(seq)
     runner = FakeRunner(sample=lambda seq: EOS if seq is a and seq.num_tokens == 7 else 5)
-    loop = OverlapLoop(sched, runner)
+    loop = overlap_loop(sched, runner)
     loop.step()  # the prefill; no prompt waits, so nothing goes ahead of it
     assert loop.ahead is None and a.output_token_ids == b.output_token_ids == [5]
     finished, _ = loop.step()  # the decode; a's next decode is launched before its tokens are read
@@ -512,7 +518,7 @@ def test_nothing_goes_ahead_while_prompts_wait_or_blocks_run_short(model_dir):
         sched.add(seq)
     step(sched)  # a: 9 tokens, b: 4 tokens
     decode = sched.schedule()  # a takes the last free block for its 9th token
-    loop = OverlapLoop(sched, FakeRunner())
+    loop = overlap_loop(sched, FakeRunner())
     sched.add(make_seq(prompt(4, 100)))
     assert loop._schedule_decode(decode) is None  # a prompt waits: the next step may be a prefill
     sched.waiting.clear()
@@ -538,7 +544,7 @@ def test_prefill_launched_ahead_continues_the_chunk_in_flight(model_dir):
     for seq in (a, b):
         sched.add(seq)
     runner = FakeRunner(sample=lambda seq: 7)
-    loop = OverlapLoop(sched, runner)
+    loop = overlap_loop(sched, runner)
     loop.step()  # a's tokens 0-7, and (while they are in flight) 8-15
     assert runner.launches == [[(a.seq_id, 0, 8)], [(a.seq_id, 8, 8)]]
     assert a.num_computed_tokens == 8 and a.output_token_ids == []
@@ -558,7 +564,7 @@ def test_a_failed_prefill_cancels_the_prefill_launched_ahead(model_dir):
     for seq in (a, b, c):
         sched.add(seq)
     runner = FakeRunner(fail_rate=1.0, rng=random.Random(0))
-    loop = OverlapLoop(sched, runner)
+    loop = overlap_loop(sched, runner)
     with pytest.raises(RuntimeError, match="simulated failure"):
         loop.step()
     assert runner.launches[1] == [(a.seq_id, 8, 2), (b.seq_id, 0, 3), (c.seq_id, 0, 3)]
@@ -575,7 +581,7 @@ def test_a_failed_decode_cancels_the_decode_launched_ahead(model_dir):
     sched.add(a)
     step(sched)
     runner = FakeRunner(fail_rate=1.0, rng=random.Random(0))
-    loop = OverlapLoop(sched, runner)
+    loop = overlap_loop(sched, runner)
     with pytest.raises(RuntimeError, match="simulated failure"):
         loop.step()  # the decode fails after the next one was launched: neither is postprocessed
     assert len(runner.launches) == 2 and PENDING not in a.token_ids and a.num_tokens == 7

@@ -14,7 +14,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_scheduler import BS, EOS, FakeRunner, make_seq, model_dir, plain_step, prompt  # noqa: F401
+from test_scheduler import (  # noqa: F401
+    BS,
+    EOS,
+    FakeRunner,
+    make_seq,
+    model_dir,
+    overlap_loop,
+    plain_step,
+    prompt,
+)
 
 from nanoserve.config import Config
 from nanoserve.extensions.overlap import OverlapLoop
@@ -128,8 +137,10 @@ def test_timeline_records_what_the_scheduler_did(model_dir, overlap, tmp_path): 
                     max_num_batched_tokens=16, device="cpu", overlap_scheduling=overlap)
     sched = Scheduler(config, eos_token_ids={EOS})
     runner = FakeRunner(sample)
-    loop = OverlapLoop(sched, runner) if overlap else None
-    oracle, timeline = Oracle(sched, loop), Timeline(SimpleNamespace(config=config, scheduler=sched))
+    loop = overlap_loop(sched, runner) if overlap else None
+    # what an engine holds: Timeline reads config, scheduler and num_sampled
+    timeline = Timeline(SimpleNamespace(config=config, scheduler=sched, num_sampled=0))
+    oracle = Oracle(sched, loop)
     arrivals, added, finish, late = workload(), [], {}, []
     while arrivals or sched.has_unfinished():
         step = len(timeline.steps)
@@ -171,7 +182,8 @@ def test_an_aborted_request_ends_where_it_was_aborted(model_dir):  # noqa: F811
     config = Config(model_dir, num_kvcache_blocks=16, kvcache_block_size=BS, max_model_len=64,
                     device="cpu")
     sched = Scheduler(config, eos_token_ids={EOS})
-    timeline, runner = Timeline(SimpleNamespace(config=config, scheduler=sched)), FakeRunner(lambda seq: 7)
+    timeline = Timeline(SimpleNamespace(config=config, scheduler=sched, num_sampled=0))
+    runner = FakeRunner(lambda seq: 7)
     kept, aborted = make_seq(prompt(6), max_tokens=8), make_seq(prompt(6, 50), max_tokens=8)
     sched.add(kept, aborted)
     for _ in range(3):

@@ -187,11 +187,6 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
     return out
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor,
-                                                                                  Tensor]:
-    return rms_norm(x, weight, eps, residual)
-
-
 def prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
             ctx: ForwardContext, scale: float) -> Tensor:
     """The prefill backend: the prompt's tokens read their keys from the cache as decode does."""
@@ -213,5 +208,5 @@ def backends(chosen: Backends, config: Config) -> Backends:
     or the plain ones, each a program a row or an element). Before the model's first product."""
     if config.device == "cuda":
         use_fixed_gemms()
-    return dataclasses.replace(chosen, rms_norm=rms_norm, add_rms_norm=add_rms_norm,
-                               linear=linear, prefill_attention=prefill, decode_attention=decode)
+    return dataclasses.replace(chosen, rms_norm=rms_norm, linear=linear, prefill_attention=prefill,
+                               decode_attention=decode)

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from nanoserve.config import Config
 from nanoserve.kernels import decode
-from nanoserve.kernels.common import use_triton
 from nanoserve.kernels.decode import _attend_tile, _dot_dtype  # the core's tile step, reused
 from nanoserve.layers import Backends, ForwardContext
 
@@ -274,8 +273,6 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     by LSE with each sequence's own blocks; P stays on the device, so one graph replays for any P.
     Callers use it for big batches only: on small ones the extra launch costs more than it saves.
     """
-    if not use_triton(q):  # same math either way: the prefix changes only how often kernels read it
-        return decode.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     decode._check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     (S, H, D), (B, Hkv), max_blocks = q.shape, k_cache.shape[1:3], block_tables.shape[1]
     group, cascade = H // Hkv, num_common_blocks is not None
@@ -322,18 +319,18 @@ def cascade_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
 
 
 def common_prefix_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
-                         block_size: int) -> int:
-    """How many leading block-table columns hold the same full block in every row: a shared
-    prefix (prefix-cache hits) that cascade attention reads once for the whole batch."""
+                         block_size: int) -> np.ndarray:
+    """(1,) int32: how many leading block-table columns hold the same full block in every row, a
+    shared prefix (prefix-cache hits) that cascade attention reads once for the whole batch."""
     limit = int(context_lens.min()) // block_size
     same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)  # (limit,)
-    return int(same.argmin()) if not same.all() else limit
+    return np.array([same.argmin() if not same.all() else limit], np.int32)
 
 
 def backends(chosen: Backends, config: Config) -> Backends:
     """Decode attention by cascade_decode; with prefix caching (only its hits share blocks), a
     decode batch of CASCADE_MIN_SEQS rows or more looks for the blocks its rows share."""
-    shared = (functools.partial(common_blocks, block_size=config.kvcache_block_size)
+    shared = (functools.partial(common_prefix_blocks, block_size=config.kvcache_block_size)
               if config.enable_prefix_caching else None)
     return dataclasses.replace(chosen, decode_attention=decode_attention, common_blocks=shared,
                                common_blocks_from=CASCADE_MIN_SEQS)
@@ -345,8 +342,3 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     return cascade_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
                           ctx.num_common_blocks)
 
-
-def common_blocks(block_tables: np.ndarray, context_lens: np.ndarray,
-                  block_size: int) -> np.ndarray:
-    """(1,) int32: the blocks every sequence of a decode batch shares."""
-    return np.array([common_prefix_blocks(block_tables, context_lens, block_size)], np.int32)

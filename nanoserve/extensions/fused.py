@@ -24,7 +24,7 @@ from torch import Tensor
 from nanoserve import kernels, layers
 from nanoserve.config import Config
 
-COMPILED = ("rms_norm", "add_rms_norm", "silu_and_mul", "sample")  # the backends torch.compile
+COMPILED = ("rms_norm", "silu_and_mul", "sample")  # the backends' plain steps torch.compile fuses
 
 
 def gpu_compiled(fn: Callable) -> Callable:
@@ -53,14 +53,21 @@ def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
 
 
 @functools.cache  # one compile per process: each new wrapper would compile again, and dynamo
+def compiled_steps() -> dict[str, Callable]:  # falls back to eager once one compiled too often
+    """Each elementwise step compiled into one kernel: the backends' and prefill's gather."""
+    plain = layers.Backends()
+    return {name: gpu_compiled(getattr(plain, name)) for name in COMPILED} | {
+        "gather_kv": gpu_compiled(kernels.gather_kv)}
+
+
 def backends(chosen: layers.Backends, config: Config) -> layers.Backends:
     """The fused steps: every elementwise step compiled (prefill's gather + dequantize in one
-    pass, say), but norm + rotary + store, one Triton kernel. Falls back to eager once a function
-    has been compiled too often."""
-    compiled = {name: gpu_compiled(getattr(chosen, name)) for name in COMPILED}
-    prefill = functools.partial(layers.varlen_prefill, gather_kv=gpu_compiled(kernels.gather_kv))
-    return dataclasses.replace(chosen, **compiled, norm_rotary_store=fused_norm_rotary_store,
-                               prefill_attention=prefill)
+    pass, say), but norm + rotary + store, one Triton kernel."""
+    compiled = compiled_steps()
+    return dataclasses.replace(
+        chosen, rms_norm=compiled["rms_norm"], silu_and_mul=compiled["silu_and_mul"],
+        sample=compiled["sample"], norm_rotary_store=fused_norm_rotary_store,
+        prefill_attention=functools.partial(layers.varlen_prefill, gather_kv=compiled["gather_kv"]))
 
 
 @triton.jit

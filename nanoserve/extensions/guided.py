@@ -201,17 +201,17 @@ class Guided(Extension):
                      out: StepOutput) -> None:
         self.last = seqs, out
 
-    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
-        """Advance the matchers of the guided sequences that get a token now (but for tokens
-        taken already, by _catch_up: all of a step's that matter, as the step after it holds
-        every sequence that goes on)."""
-        if not self.guides or out is self.caught_up:
-            return
-        taking = [(guide, token) for seq, num_new, token in
-                  zip(batch.seqs, batch.num_new_tokens, token_ids)
-                  # a prefill chunk that does not end the prompt samples nothing
-                  if not seq.is_finished and seq.num_computed_tokens + num_new == seq.num_tokens
-                  and (guide := self.guides.get(seq)) and guide.num_tokens == seq.num_output_tokens]
-        if taking:
-            accept([guide for guide, _ in taking], [token for _, token in taking])
+    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
+        """Advance the matchers of the guided sequences that got a token now, their last (but
+        for tokens taken already, by _catch_up: all of a step's that matter, as the step after
+        it holds every sequence that goes on)."""
+        if self.guides and out is not self.caught_up:
+            guides, tokens = [], []
+            for seq in batch.seqs:
+                if (guide := self.guides.get(seq)) and guide.num_tokens < seq.num_output_tokens:
+                    guides.append(guide)
+                    tokens.append(seq.token_ids[-1])
+            if guides:
+                accept(guides, tokens)
+        return []
 

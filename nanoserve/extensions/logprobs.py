@@ -6,8 +6,8 @@ and top-k/p).
 
 They are computed in the sampling pass, on the device, for the rows that asked, and copied to
 the host without waiting; the step's postprocessing turns them into one {token id: logprob} dict
-per token in `Sequence.logprobs`. An Extension: after_sample computes them, on_tokens (before
-the tokens are recorded) appends them.
+per token in `Sequence.logprobs`. An Extension: after_sample computes them, on_tokens appends
+them once the step's tokens are recorded.
 """
 from torch import Tensor
 
@@ -30,15 +30,14 @@ class Logprobs(Extension):
         out.extras["logprobs"] = tuple(t.to("cpu", non_blocking=True)
                                        for t in (chosen, top.indices, top.values))
 
-    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> None:
-        """Append a {token: logprob} dict to each sequence that asked and gets a token now."""
-        if "logprobs" not in out.extras:
-            return
+    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
+        """Append a {token: logprob} dict to each sequence that asked and got a token now (not a
+        prefill chunk short of the prompt's end, nor one finished before the step)."""
+        if "logprobs" not in out.extras:  # no row asked
+            return []
         chosen, ids, values = (t.tolist() for t in out.extras["logprobs"])
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            k = seq.params.logprobs
-            # a prefill chunk that does not end the prompt samples nothing
-            if k is None or seq.is_finished or seq.num_computed_tokens + num_new < seq.num_tokens:
-                continue
-            seq.logprobs.append({token_ids[i]: chosen[i]} | dict(zip(ids[i][:k], values[i][:k])))
+        for i, (seq, token) in enumerate(zip(batch.seqs, token_ids)):
+            if (k := seq.params.logprobs) is not None and len(seq.logprobs) < seq.num_output_tokens:
+                seq.logprobs.append({token: chosen[i]} | dict(zip(ids[i][:k], values[i][:k])))
+        return []
 

@@ -7,19 +7,18 @@ measures both). Here a prefill of one sequence with at most GRAPH_TOKENS[-1] key
 (its cached prefix and its new tokens) replays the graph captured for the smallest size that
 holds them: new tokens and keys padded to that size, the padded tokens writing the spare block
 (slot -1) and read by no query (the sequence ends before them, by cu_seqlens). Batches of several
-sequences, and longer prompts, run eagerly. The graph runner (the core's third point): a
-DecodeGraphs that replays these prefills too, chosen by the model runner with
+sequences, and longer prompts, run eagerly. A graph runner (a backend the model runner chooses):
+extensions.cuda_graphs' DecodeGraphs that replays these prefills too, chosen with
 `prefill_graphs=True` (the default) on one GPU rank with CUDA graphs (not enforce_eager), not with
 batch_invariant (its own prefill attention, eager). In float32 it captures no prefill (its
 prefill attention, the torch reference, reads cu_seqlens on the host).
 """
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-from nanoserve.cuda_graphs import DecodeGraphs, pinned
+from nanoserve.extensions.cuda_graphs import DecodeGraphs
 from nanoserve.layers import Backends, ForwardContext, forward_context
+from nanoserve.model_runner import pinned
 from nanoserve.models import DecoderModel
 
 GRAPH_TOKENS = [16, 32, 64] + list(range(128, 2049, 128))  # the key counts captured
@@ -28,11 +27,10 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where prefill attention is Fla
 
 class PrefillGraphs(DecodeGraphs):
     def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
-                 make_context: Callable[[ForwardContext], ForwardContext],
                  backends: Backends) -> None:
         """The decode graphs, then a prefill graph per size in GRAPH_TOKENS, largest first, in
         their pool."""
-        super().__init__(model, max_batch, max_blocks_per_seq, make_context, backends)
+        super().__init__(model, max_batch, max_blocks_per_seq, backends)
         weight = model.lm_head.weight
         n, int64 = GRAPH_TOKENS[-1], dict(dtype=torch.int64, device=weight.device)
         # static inputs that every graph reads, (n,) each; cu_seqlens (2,): one sequence
@@ -89,3 +87,6 @@ class PrefillGraphs(DecodeGraphs):
         self.prefill_graphs[size].replay()
         self.num_replays += 1
         return self.hidden[:size]
+
+
+graph_runner = PrefillGraphs  # what the model runner builds, with prefill_graphs=True

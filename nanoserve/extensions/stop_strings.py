@@ -7,13 +7,12 @@ Stop strings are matched on the text, not on tokens: a string may span several t
 token may hold more than the string. So a request with stop strings has its text decoded step by
 step (a StopStringStream, the core's TextStream that also searches), and while a stop string may
 still be completing, its length minus one characters are held back from a stream. An Extension:
-on_request gives a request with stop strings its StopStringStream; after_tokens, once a step's
+on_request gives a request with stop strings its StopStringStream; on_tokens, once a step's
 tokens are recorded, finishes the requests whose text stopped.
 """
 from transformers import PreTrainedTokenizerFast
 
-from nanoserve.llm_engine import LLMEngine
-from nanoserve.model_runner import Extension
+from nanoserve.model_runner import Extension, StepOutput
 from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence, TextStream
 
@@ -46,14 +45,11 @@ class StopStringStream(TextStream):
 
 
 class StopStrings(Extension):
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-
     def on_request(self, seq: Sequence, streamed: bool) -> StopStringStream | None:
         if seq.params.stop:
             return StopStringStream(self.engine.tokenizer, seq.params.stop, streamed)
 
-    def after_tokens(self, batch: Batch) -> list[Sequence]:
+    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
         """Decode the new tokens of the batch's stop-string requests; finish those that met a
         stop string. Returns them."""
         stopped = []

@@ -63,11 +63,12 @@ class Timeline(Extension):
     """The record: rows (dict[int, Row], by seq_id) and steps (list[Step], one per column)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        """Records engine's steps from now on (engine: its config and scheduler are read)."""
-        self.config, self.scheduler = engine.config, engine.scheduler
-        # num_preemptions: the scheduler's running count as last seen (it may start above 0)
-        self.rows, self.steps, self.num_sampled = {}, [], 0
+        """Records engine's steps from now on (its config, scheduler and num_sampled are read)."""
+        super().__init__(engine)
+        self.config, self.scheduler, self.rows, self.steps = engine.config, engine.scheduler, {}, []
+        # the scheduler's and the engine's running counts as last seen (they may start above 0)
         self.num_preemptions = scheduler_stats(self.scheduler).num_preemptions
+        self.num_sampled = engine.num_sampled
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> None:
         """Add a column: `batch` was just postprocessed and `finished` ended in it (they are the
@@ -89,12 +90,10 @@ class Timeline(Extension):
         for seq in islice(sched.waiting, stats.num_preemptions - self.num_preemptions):
             self.rows[seq.seq_id].cells[step] = PREEMPTED
         self.num_preemptions = stats.num_preemptions
-        kept, self.num_sampled = self.num_sampled, 0
+        # tokens recorded since the last column (speculation records a step's in rounds)
+        kept, self.num_sampled = self.engine.num_sampled - self.num_sampled, self.engine.num_sampled
         self.steps.append(Step(batch.is_prefill, len(batch.seqs), sum(batch.num_new_tokens), kept,
                                stats.num_blocks - stats.num_free_blocks, stats.num_waiting))
-
-    def on_tokens(self, batch: Batch, out: object, token_ids: list[int]) -> None:
-        self.num_sampled += len(token_ids)  # speculation records a step's tokens in rounds
 
     def on_abort(self, seq: Sequence) -> None:
         """A request aborted between steps (LLMEngine.abort_request) ends at the last column."""

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import Extension
 from nanoserve.sequence import Sequence
 
@@ -36,15 +35,13 @@ def mask_top_k_top_p(logits: Tensor, temperatures: Tensor, top_ks: Tensor,
 
 
 class TopKTopP(Extension):
-    def __init__(self, engine: LLMEngine) -> None:
-        self.to_device = engine.model_runner.to_device
-
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         params = [seq.params for seq in seqs]
         if all(p.top_k == 0 and p.top_p == 1 for p in params):
             return logits
-        temperatures = self.to_device(np.array([p.temperature for p in params], np.float32))
-        top_ks = self.to_device(np.array([p.top_k for p in params], np.int64))
-        top_ps = self.to_device(np.array([p.top_p for p in params], np.float32))
+        to_device = self.engine.model_runner.to_device
+        temperatures = to_device(np.array([p.temperature for p in params], np.float32))
+        top_ks = to_device(np.array([p.top_k for p in params], np.int64))
+        top_ps = to_device(np.array([p.top_p for p in params], np.float32))
         return mask_top_k_top_p(logits, temperatures, top_ks, top_ps)
 

@@ -34,11 +34,11 @@ class Trace(Extension):
             handler = logging.StreamHandler(stream)
             handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
             logger.addHandler(handler)
-        self.scheduler, self.engine = engine.scheduler, engine
-        self.last, self.last_time = scheduler_stats(self.scheduler), time.perf_counter()
+        super().__init__(engine)
+        self.last, self.last_time = scheduler_stats(engine.scheduler), time.perf_counter()
 
     def after_step(self, batch: Batch, finished: list[Sequence]) -> None:
-        now, stats = time.perf_counter(), scheduler_stats(self.scheduler)
+        now, stats = time.perf_counter(), scheduler_stats(self.engine.scheduler)
         # this step's counts: the differences of the counters (num_preemptions and after)
         d = type(stats)(*(new - old for new, old in zip(stats, self.last)))
         logger.info(f"{'prefill' if batch.is_prefill else 'decode':7s} seqs={len(batch.seqs):<3d} "

@@ -1,6 +1,6 @@
 """Paged decode: one new query token per sequence attends to its context in the paged KV cache.
 
-Owns the core decode kernel and, for the CPU, plain torch over each sequence's gathered context
+Owns the core decode kernel and, for the CPU, plain torch over each row's gathered context
 (tests/decode_ref.py holds the kernel's plain-torch oracle). Program (KV head,
 sequence) walks the sequence's blocks with an online softmax for the GROUP = H // Hkv query heads
 of that KV head, so K/V are read once per group. Invariant: no host sync, a
@@ -114,22 +114,15 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     inputs run the products in TF32). No host sync, grid from shapes only: safe in a CUDA graph.
     """
     (S, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
-    if not use_triton(q):  # the CPU: each sequence's context gathered once, its rows its queries
-        # consecutive rows with one block table are one sequence's (its drafts, with speculation)
-        new = torch.ones(S, dtype=torch.bool)  # (S,): a row that starts a sequence
-        new[1:] = (block_tables[1:] != block_tables[:-1]).any(1)
-        seq, pos = new.cumsum(0) - 1, torch.arange(triton.cdiv(int(context_lens.max()), B) * B)
-        row = torch.arange(S) - new.nonzero()[:, 0][seq]  # (S,): the row's place in its sequence
-        slots = block_tables[new][:, pos // B].clamp(min=0).long() * B + pos % B  # (U, L)
-        # (U, L, Hkv, D); slots past a context hold finite values (the cache starts zeroed)
-        k, v = (cache.view(-1, Hkv, D)[slots].float() for cache in (k_cache, v_cache))
-        queries = torch.zeros(len(slots), int(row.max()) + 1, H, D)  # (U, R, H, D)
-        mask = torch.zeros(len(slots), 1, queries.shape[1], len(pos), dtype=torch.bool)  # (U,1,R,L)
-        queries[seq, row], mask[seq, 0, row] = q.float(), pos < context_lens[:, None]
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=mask, scale=scale,
-                                             enable_gqa=True)  # (U, H, R, D); empty rows: NaN
-        return out.transpose(1, 2)[seq, row].to(q.dtype)
+    if not use_triton(q):  # the CPU: each row's context gathered, SDPA over it
+        pos = torch.arange(triton.cdiv(int(context_lens.max()), B) * B)  # (L,) every key's place
+        slots = block_tables[:, pos // B].clamp(min=0).long() * B + pos % B  # (S, L)
+        # (S, Hkv, L, D); slots past a context hold finite values (the cache starts zeroed)
+        k, v = (c.view(-1, Hkv, D)[slots].float().transpose(1, 2) for c in (k_cache, v_cache))
+        mask = (pos < context_lens[:, None])[:, None, None]  # (S, 1, 1, L)
+        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v, attn_mask=mask,
+                                             scale=scale, enable_gqa=True)  # empty rows: NaN
+        return out.squeeze(2).to(q.dtype)  # (S, H, 1, D) -> (S, H, D)
     _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
     out = q.new_empty(S, H, D)  # (S, H, D)
     tile = TILE_TOKENS_FP8 if k_cache.dtype == torch.float8_e4m3fn else TILE_TOKENS

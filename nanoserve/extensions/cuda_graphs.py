@@ -5,43 +5,29 @@ is slower than the GPU. A CUDA graph records the whole forward once per batch si
 with a single launch. A graph reads and writes fixed buffers, so replay copies the batch into them
 first; a batch of S sequences replays the smallest captured size >= S, its padded rows writing
 into the KV cache's spare block (slot -1) and attending to nothing (context 0).
-The LM head runs outside the graphs, but only at captured sizes, all run once at capture: a GEMM
-shape cuBLAS meets for the first time loads a kernel lazily, which stalls the host.
-Owned and called by model_runner on the GPU (not with enforce_eager), through the graph runner's
-two verbs: `can_replay(inputs)`, then `replay(inputs, input_ids)`. A prefill runs eagerly here;
-extensions.prefill_graphs' runner, a DecodeGraphs that also replays lone prompts, is the other.
+The LM head runs outside the graphs, but only at captured sizes (model_runner.GRAPH_BATCH_SIZES,
+which its logits rows are padded to), all run once at capture: a GEMM shape cuBLAS meets for the
+first time loads a kernel lazily, which stalls the host.
+The graph runner, one of the backends the model runner chooses when it is built: on the GPU, not
+with enforce_eager. It calls two verbs, `can_replay(inputs)`, then `replay(inputs, input_ids)`.
+A prefill runs eagerly here; extensions.prefill_graphs' runner, a DecodeGraphs that also replays
+lone prompts, is the other.
 """
-from collections.abc import Callable
-
-import numpy as np
 import torch
 from torch import Tensor
 
 from nanoserve.layers import Backends, ForwardContext, forward_context
+from nanoserve.model_runner import GRAPH_BATCH_SIZES, graph_batch_size, pinned
 from nanoserve.models import DecoderModel
-
-GRAPH_BATCH_SIZES = [1, 2, 4, 8] + list(range(16, 513, 16))  # decode batch sizes captured
-
-
-def graph_batch_size(num_seqs: int) -> int:
-    """The captured size for num_seqs sequences: the smallest that holds them, else the largest."""
-    return next((b for b in GRAPH_BATCH_SIZES if b >= num_seqs), GRAPH_BATCH_SIZES[-1])
-
-
-def pinned(array: np.ndarray) -> Tensor:
-    """array in pinned host memory: a copy from there to the GPU is queued and returns at once,
-    while one from pageable memory waits for every queued kernel, stalling the host."""
-    return torch.from_numpy(array).pin_memory()
 
 
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, max_batch: int, max_blocks_per_seq: int,
-                 make_context: Callable[[ForwardContext], ForwardContext],
                  backends: Backends) -> None:
         """Capture a graph for every size up to max_batch, and one with cascade attention's
         shared prefix too at the sizes where the backends look for one; all share one memory
-        pool. make_context: the model runner's, which builds every context."""
-        self.model, self.make_context, self.max_batch = model, make_context, max_batch
+        pool."""
+        self.model, self.max_batch = model, max_batch
         self.buffers = {  # static inputs and output that every graph reads and writes
             "input_ids": torch.zeros(max_batch, dtype=torch.int64),
             "positions": torch.zeros(max_batch, dtype=torch.int64),
@@ -62,14 +48,13 @@ class DecodeGraphs:
 
     def _capture(self, bs: int, shared: bool) -> torch.cuda.CUDAGraph:
         b = {name: buf[:bs] for name, buf in self.buffers.items()}  # num_common_blocks: (1,)
-        inputs = {name: b[name] for name in b if name != "hidden"}  # every buffer but hidden
-        if not shared:  # the plain decode: no shared prefix looked for
-            inputs["num_common_blocks"] = None
+        hidden = b.pop("hidden")  # the output; the other buffers are the inputs
+        b["num_common_blocks"] = b["num_common_blocks"] if shared else None  # None: not looked for
         graph = torch.cuda.CUDAGraph()
-        with forward_context(self.make_context(ForwardContext(is_prefill=False, **inputs))):
-            b["hidden"][:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured
+        with forward_context(ForwardContext(is_prefill=False, **b)):
+            hidden[:] = self.model(b["input_ids"], b["positions"])  # warm-up, not captured
             with torch.cuda.graph(graph, self.pool):
-                b["hidden"][:] = self.model(b["input_ids"], b["positions"])
+                hidden[:] = self.model(b["input_ids"], b["positions"])
         return graph
 
     def can_replay(self, inputs: ForwardContext) -> bool:
@@ -94,3 +79,6 @@ class DecodeGraphs:
         # the cascade graph only when blocks are shared: else its prefix kernel runs for nothing
         self.graphs[graph_bs, shared > 0].replay()
         return buf["hidden"][:graph_bs]
+
+
+graph_runner = DecodeGraphs  # what the model runner builds, without prefill_graphs
