@@ -159,7 +159,7 @@ def test_timeline_records_what_the_scheduler_did(model_dir, overlap, tmp_path): 
         assert {row.seq_id: row.cells[step] for row in rows if step in row.cells} == cells
         assert {row.seq_id: row.hits[step] for row in rows if step in row.hits} == scheduled.hits
         assert {row.seq_id for row in rows if row.finish == step} == {s.seq_id for s in finished}
-        # num_sampled 0: this loop hands the tokens to the scheduler, not to the engine's observers
+        # num_sampled 0: this loop hands the tokens to the scheduler, not to an engine
         assert timeline.steps[step] == Step(batch.is_prefill, len(batch.seqs),
                                             sum(batch.num_new_tokens), 0, used_blocks(added),
                                             len(sched.waiting))

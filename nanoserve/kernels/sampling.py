@@ -5,7 +5,7 @@ Gumbel-max trick). Inverse-CDF sampling compares a uniform with a sum over the v
 rounding differs with the batch; a race changes its winner only at near-ties, as greedy does. Token
 j of row i takes its noise from an integer hash of (keys[i], j) alone: computed where it is read, no
 host sync, the same bits on CPU, GPU and under torch.compile, so a key decides its row's draw in any
-batch and order. T = 0 rows take the argmax. Called by the model runner through layers.OPS
+batch and order. T = 0 rows take the argmax. Called by the model runner through its backends
 (extensions.fused compiles it).
 """
 
