@@ -145,11 +145,11 @@ class ModelRunner:
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
         self.backends = choose_backends(config, self.device)
         self.model, self.rng = self._build_model(), np.random.default_rng()  # rng: unseeded keys
+        self.graphs = None  # (the warm-up that sizes the cache runs eagerly)
         self.allocate_kv_cache()
         # the graph runner, chosen by setting: extensions.cuda_graphs' decode graphs, or
         # prefill_graphs' (a lone prompt's prefill too) on one rank, not with batch_invariant
         # (whose prefill attention runs eagerly); captured on the device. None: all steps eager
-        self.graphs = None
         if use_graphs:
             prefill = config.prefill_graphs and config.tensor_parallel_size == 1
             name = "prefill_graphs" if prefill and not config.batch_invariant else "cuda_graphs"
