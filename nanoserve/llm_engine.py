@@ -101,18 +101,18 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         self.extensions: list[Extension] = []  # in EXTENSIONS' order; the model runner's too
         self.switched_on: dict[str, Extension] = {}  # module -> its Extension, for switch_on
         atexit.register(self.shutdown)
-        try:  # a model runner that fails to start: the workers already started stop
+        try:  # an engine that fails to start (a bad setting, say) frees its GPU and workers now
             self.model_runner = ModelRunner(cfg, workers=self.workers, extensions=self.extensions)
+            self.scheduler = Scheduler(cfg, self._eos_token_ids())
+            self.streams: dict[int, TextStream] = {}  # seq_id -> its text, for streams and stops
+            self.num_sampled = 0  # tokens sampled since start-up
+            self.loop = self._make_loop()
+            if cfg.trace:
+                self.switch_on("trace")
+            self.timeline = self.switch_on("timeline") if cfg.timeline else None  # all steps
         except BaseException:
             self.shutdown()
             raise
-        self.scheduler = Scheduler(cfg, self._eos_token_ids())
-        self.streams: dict[int, TextStream] = {}  # seq_id -> its text, for streams and stops
-        self.num_sampled = 0  # tokens sampled since start-up
-        self.loop = self._make_loop()
-        if cfg.trace:
-            self.switch_on("trace")
-        self.timeline = self.switch_on("timeline") if cfg.timeline else None  # every step's record
         # The model, compiled kernels and blocks live as long as the engine. Frozen, they are left
         # out of Python's full garbage collections, which scan every object alive and pause the
         # engine while they do (docs/performance.md); shutdown unfreezes them.

@@ -144,6 +144,8 @@ class ModelRunner:
         k = config.num_speculative_tokens if config.speculative_method else 0
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
         self.backends = choose_backends(config, self.device)
+        gc.collect()  # memory an engine shut down earlier may still hold, freed before the model
+        torch.cuda.empty_cache()  # is built in it (its blocks would stay, part used, uncounted)
         self.model, self.rng = self._build_model(), np.random.default_rng()  # rng: unseeded keys
         self.graphs = None  # (the warm-up that sizes the cache runs eagerly)
         self.allocate_kv_cache()
@@ -200,8 +202,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             wanted = self.max_blocks_per_seq * self.config.max_num_seqs
             return min(wanted, CPU_KV_CACHE_BYTES // block_bytes)
-        gc.collect()  # an engine shut down earlier in this process may still hold memory
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.warmup()
         free, total = torch.cuda.mem_get_info()
