@@ -8,9 +8,9 @@ Does not own: which sequences run (scheduler), which blocks they hold (block_man
 graphs (extensions.cuda_graphs) or the worker processes (distributed).
 Extension points: the host side's Extensions (`Extension`, in the engine's list; the runner
 calls their sampling hooks), and on the device side the backends (`choose_backends`: what the
-layers compute with, the cache dtype, cascade's shared prefix) and the graph runner (decode
-graphs, or extensions.prefill_graphs' that replay a lone prompt's prefill too), each chosen once,
-when the runner is built, from the settings.
+layers compute with, the cache dtype, cascade's shared prefix) and the graph runner
+(extensions.cuda_graphs' decode graphs, or prefill_graphs', which replay a lone prompt's prefill
+too), each chosen once, when the runner is built, from the settings.
 Invariant: the KV cache is sized once, at start-up, before any request is admitted.
 Called by: llm_engine (run, shutdown), extensions.overlap (run with input ids on the device).
 """

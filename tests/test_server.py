@@ -104,8 +104,12 @@ def stop_server(server: Server) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = start_server("--data-parallel-size", "2")
+def server(tmp_path_factory):
+    """Two replicas; the RPC port and the replicas' keys file known (server.rpc, server.keys)."""
+    rpc, keys = free_port(), tmp_path_factory.mktemp("server") / "keys.json"
+    server = start_server("--data-parallel-size", "2", "--data-parallel-rpc-port", str(rpc),
+                          "--data-parallel-keys", str(keys))
+    server.rpc, server.keys = f"tcp://127.0.0.1:{rpc}", keys
     yield server
     stop_server(server)
 
@@ -645,12 +649,20 @@ def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
 def test_a_headless_replica_connects_over_tcp(tmp_path):
     """`--headless` runs one replica on its own; the API server (one replica of its own, two in
     all) waits for it at its TCP port, routes to both, and stops both on SIGTERM."""
-    model, port = tiny_model(tmp_path), free_port()
-    dp = ["--data-parallel-size", "2", "--data-parallel-rpc-port", str(port)]
-    with open(tmp_path / "headless.log", "w") as out:
-        headless = subprocess.Popen(
-            [sys.executable, "-m", "nanoserve.server", "--headless", "--data-parallel-rank", "1",
-             "--model", model, "--device", "cpu", *dp], stdout=out, stderr=subprocess.STDOUT)
+    model, port, keys = tiny_model(tmp_path), free_port(), tmp_path / "keys.json"
+    dp = ["--data-parallel-size", "2", "--data-parallel-rpc-port", str(port),
+          "--data-parallel-keys", str(keys)]
+    started = []
+
+    def start_headless() -> None:  # once the API server has written the replicas' keys
+        while not keys.exists():
+            time.sleep(0.1)
+        with open(tmp_path / "headless.log", "w") as out:
+            started.append(subprocess.Popen(
+                [sys.executable, "-m", "nanoserve.server", "--headless", "--data-parallel-rank",
+                 "1", "--model", model, "--device", "cpu", *dp], stdout=out,
+                stderr=subprocess.STDOUT))
+    threading.Thread(target=start_headless, daemon=True).start()
     try:
         server = start_server("--model", model, "--served-model-name", MODEL,
                               "--data-parallel-size-local", "1", *dp)
@@ -662,9 +674,10 @@ def test_a_headless_replica_connects_over_tcp(tmp_path):
             stream.close()
         stop_server(server)
         assert server.proc.returncode == 0, server.log.read_text()
-        assert headless.wait(timeout=30) == 0, (tmp_path / "headless.log").read_text()
+        assert started[0].wait(timeout=30) == 0, (tmp_path / "headless.log").read_text()
     finally:
-        headless.kill()
+        for headless in started:
+            headless.kill()
 
 
 @pytest.fixture
@@ -733,3 +746,69 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# ---- the wire between the API server and its replicas -----------------------------------------
+class Canary:
+    """Unpickled, it would create its file: a stand-in for code a forged message would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return open, (str(self.path), "w")
+
+
+def test_the_wire_decodes_its_own_types_only(tmp_path):
+    """Every message round-trips as its type (a guided request's constraint too); a pickle, or a
+    message of the other direction, raises a ValueError when decoded and runs nothing."""
+    import pickle
+
+    from nanoserve import GuidedDecodingParams, SamplingParams
+    from nanoserve.llm_engine import RequestOutput
+    from nanoserve.server import wire
+    params = SamplingParams(temperature=0, seed=3, stop_token_ids=[7],
+                            guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    add = wire.decode_command(wire.encode(wire.add(5, [1, 2, 3], params)))
+    assert (add.request_id, add.token_ids, add.params) == (5, [1, 2, 3], dataclasses.replace(
+        params, guided_decoding=None))
+    assert GuidedDecodingParams(**add.guided) == params.guided_decoding
+    out = RequestOutput(5, "", [9], [{9: -0.5}], "stop", 3, 0, 1)
+    step = wire.decode_reply(wire.encode(wire.Step([(5, 3), (6, "empty prompt")], [out],
+                                                   {"num_running": 1, "spec": {"num_drafts": 2}})))
+    assert step.outputs[0].token_ids == [9] and step.outputs[0].num_draft_tokens is None
+    assert step.added == [(5, 3), (6, "empty prompt")]
+    for decode, data in ((wire.decode_command, pickle.dumps(Canary(tmp_path / "canary"))),
+                         (wire.decode_reply, wire.encode(wire.Abort(5)))):
+        with pytest.raises(ValueError):
+            decode(data)
+    assert not (tmp_path / "canary").exists()
+
+
+def test_a_forged_message_runs_nothing_and_a_stranger_is_refused(server, tmp_path):
+    """At the replicas' port: a peer without keys, one with keys of its own, and one with the
+    replicas' keys but a pickle for a message: none makes the canary, and the server serves."""
+    import pickle
+
+    import msgspec
+    import zmq
+
+    from nanoserve.server import wire
+    keys, context = wire.Keys.from_file(str(server.keys)), zmq.Context()
+    other = msgspec.structs.replace(wire.Keys.new(), server_public=keys.server_public)
+    for own in (None, other, keys):  # None: no CURVE at all
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"7")  # no replica's rank
+        if own is None:
+            sock.connect(server.rpc)
+        else:
+            wire.connect_securely(sock, own, server.rpc)
+        sock.send(pickle.dumps(Canary(tmp_path / "canary")))
+        time.sleep(0.5)
+        sock.close(linger=0)
+    context.term()
+    assert not (tmp_path / "canary").exists()
+    out = server.client().completions.create(prompt=PROMPT, **GREEDY)
+    assert out.choices[0].finish_reason == "length"
+    log = server.log.read_text()
+    assert "dropped a message from b'7'" in log  # the one with the replicas' keys got in

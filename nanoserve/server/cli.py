@@ -30,7 +30,7 @@ from simple_parsing.docstring import get_attribute_docstring
 from transformers import AutoTokenizer
 
 from nanoserve.config import DTYPES, Config
-from nanoserve.server import engine_core
+from nanoserve.server import engine_core, wire
 from nanoserve.server.app import build_app
 from nanoserve.server.engine_client import EngineClient
 from nanoserve.server.metrics import Metrics
@@ -130,6 +130,8 @@ class ServerArgs:
     # --data-parallel-address:--data-parallel-rpc-port
     headless: bool = False
     data_parallel_rank: int = 0  # with --headless: which replica this is, 0 .. size - 1
+    # the replicas' keys: the API server writes this file, a --headless replica reads it
+    data_parallel_keys: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, dict]:
@@ -159,8 +161,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica_processes(args: ServerArgs, model: str, settings: dict,
-                      address: str) -> list[BaseProcess | None]:
+def replica_processes(args: ServerArgs, model: str, settings: dict, address: str,
+                      keys: wire.Keys) -> list[BaseProcess | None]:
     """The replicas' processes, not started: the first --data-parallel-size-local run here, each
     on GPUs of its own (on the CPU: on a share of the cores); None for those started elsewhere."""
     size = args.data_parallel_size
@@ -176,7 +178,8 @@ def replica_processes(args: ServerArgs, model: str, settings: dict,
     threads = None if gpus else max(1, torch.get_num_threads() // max(local, 1))
     spawn = mp.get_context("spawn")  # a fresh interpreter: CUDA is set up in the child
     return [spawn.Process(target=engine_core.run, name=f"nanoserve-replica-{rank}", args=(
-        address, rank, model, settings, ",".join(gpus[rank * tp:(rank + 1) * tp]) or None,
+        address, rank, model, settings, keys.for_replicas(),
+        ",".join(gpus[rank * tp:(rank + 1) * tp]) or None,
         threads)) if rank < local else None for rank in range(size)]
 
 
@@ -185,8 +188,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     address = f"tcp://{args.data_parallel_address}:{args.data_parallel_rpc_port or free_port()}"
     if args.headless:
-        engine_core.run(address, args.data_parallel_rank, args.model, settings, headless=True)
+        keys = wire.Keys.from_file(args.data_parallel_keys)  # else SystemExit naming the fix
+        engine_core.run(address, args.data_parallel_rank, args.model, settings, keys,
+                        headless=True)
         return
+    keys = wire.Keys.new()  # this server's; the replicas' part goes to the file, if asked
+    if args.data_parallel_keys is not None:
+        keys.save(args.data_parallel_keys)
     # the HTTP port, bound before any replica loads: a busy one fails now; uvicorn listens on it
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own socket
@@ -196,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"cannot serve on {args.host}:{args.port} ({e.strerror}): pick "
                              "another --port") from None
         model = args.model or default_model_dir()  # the default model, converted here once
-        processes = replica_processes(args, model, settings, address)
-        client = EngineClient(AutoTokenizer.from_pretrained(model), address, processes, Metrics())
+        processes = replica_processes(args, model, settings, address, keys)
+        client = EngineClient(AutoTokenizer.from_pretrained(model), address, processes, Metrics(),
+                              keys)
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
         app = build_app(client, name, args.api_key)
         for signum in (signal.SIGINT, signal.SIGTERM):

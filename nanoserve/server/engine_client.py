@@ -1,6 +1,7 @@
 """EngineClient: the API server's side of its engine-core processes, one per data-parallel replica.
 
-One ZMQ ROUTER socket, bound here, talks to every replica (engine_core.py). A request goes to the
+One ZMQ ROUTER socket, bound here, talks to every replica (engine_core.py) in typed messages, and
+admits only replicas that present their CURVE keys (wire.py). A request goes to the
 live replica with the least load under an id unique across replicas; one task receives every
 replica's messages: it settles the handlers' futures (taken, or refused with the engine's error),
 detokenizes the new tokens, matches stop strings (a hit aborts the request in its replica) and
@@ -10,18 +11,19 @@ that is silent SILENCE_S) is down: its requests fail at once, new ones go elsewh
 import asyncio
 import itertools
 import logging
-import pickle
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 
+import msgspec
 import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.config import SamplingParams, extension
 from nanoserve.llm_engine import RequestOutput, TextStream
+from nanoserve.server import wire
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.protocol import Delta, OpenAIError
 
@@ -64,8 +66,9 @@ class Replica:
 
 class EngineClient:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, address: str,
-                 processes: list[BaseProcess | None], metrics: Metrics) -> None:
-        self.tokenizer, self.address, self.metrics = tokenizer, address, metrics
+                 processes: list[BaseProcess | None], metrics: Metrics, keys: wire.Keys) -> None:
+        """keys: the API server's and the replicas' (wire.Keys.new())."""
+        self.tokenizer, self.address, self.metrics, self.keys = tokenizer, address, metrics, keys
         self.replicas = [Replica(rank, process) for rank, process in enumerate(processes)]
         self.ids = itertools.count()
         self.max_model_len = 0  # from the replicas' ready messages
@@ -78,6 +81,7 @@ class EngineClient:
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replica that reconnects takes over
+        self.authenticator = wire.serve_securely(self.socket, self.keys)
         self.socket.bind(self.address)
         self.tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
         for process in filter(None, (r.process for r in self.replicas)):
@@ -93,7 +97,7 @@ class EngineClient:
         tasks and the socket: no process, socket or shared memory is left."""
         self.stopping = True
         for replica in self.replicas:
-            self._send(replica, ("stop",))
+            self._send(replica, wire.Stop())
             self._down(replica, "stopped", status=503)
         for process in filter(None, (r.process for r in self.replicas)):
             await asyncio.to_thread(process.join, STOP_TIMEOUT_S)
@@ -101,6 +105,7 @@ class EngineClient:
                 process.kill()
         for task in self.tasks:
             task.cancel()
+        self.authenticator.stop()
         self.socket.close(linger=0)
         self.context.term()
 
@@ -118,7 +123,7 @@ class EngineClient:
         request = Request(next(self.ids), replica, text, asyncio.get_running_loop().create_future())
         replica.requests[request.id] = request
         replica.num_unseen += 1
-        self._send(replica, ("add", request.id, prompt, replace(params, stop=())))
+        self._send(replica, wire.add(request.id, prompt, replace(params, stop=())))
         try:
             num_prompt_tokens = await request.added
         except asyncio.CancelledError:  # the client left before the replica took it
@@ -129,12 +134,12 @@ class EngineClient:
     def abort(self, request: Request) -> None:
         """End a request whose client left: its replica frees its blocks before its next step."""
         if request.replica.requests.pop(request.id, None) is not None:
-            self._send(request.replica, ("abort", request.id))
+            self._send(request.replica, wire.Abort(request.id))
             self.metrics.num_aborted.inc()
 
-    def _send(self, replica: Replica, command: tuple) -> None:
+    def _send(self, replica: Replica, command: wire.Add | wire.Abort | wire.Stop) -> None:
         if replica.up:  # a down replica's messages would wait for it in the socket
-            self.socket.send_multipart([str(replica.rank).encode(), pickle.dumps(command)])
+            self.socket.send_multipart([str(replica.rank).encode(), wire.encode(command)])
 
     # ---- what the replicas send -----------------------------------------------------------------
     async def _receive(self) -> None:
@@ -146,16 +151,20 @@ class EngineClient:
 
     async def _receive_one(self) -> None:
         rank, data = await self.socket.recv_multipart()
-        replica, message = self.replicas[int(rank)], pickle.loads(data)
+        try:  # decoded into the wire's types only: anything else is dropped, never run
+            replica, message = self.replicas[int(rank)], wire.decode_reply(data)
+        except (ValueError, IndexError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.error(f"dropped a message from {rank!r} that is no replica's ({e})")
+            return
         replica.last_heard = time.monotonic()
-        if message[0] == "ready":
-            self.max_model_len = message[1]["max_model_len"]
+        if isinstance(message, wire.Ready):
+            self.max_model_len = message.max_model_len
             replica.up = not self.stopping
             logger.info(f"engine replica {replica.rank} is up")
             return
-        _, added, outputs, replica.load = message
-        replica.num_unseen -= len(added)
-        for request_id, result in added:  # taken (its prompt's token count) or refused
+        replica.load = message.load
+        replica.num_unseen -= len(message.added)
+        for request_id, result in message.added:  # taken (its prompt's token count) or refused
             request = replica.requests.get(request_id)
             if request is None or request.added.done():  # its client left meanwhile
                 continue
@@ -164,7 +173,7 @@ class EngineClient:
                 request.added.set_exception(ValueError(result))
             else:
                 request.added.set_result(result)
-        self._deliver(replica, outputs)
+        self._deliver(replica, message.outputs)
         self.metrics.observe_load(self.replicas)
 
     def _deliver(self, replica: Replica, outputs: list[RequestOutput]) -> None:
@@ -178,7 +187,7 @@ class EngineClient:
             request.text.update(request.token_ids, out.finish_reason is not None)
             if getattr(request.text, "stopped", False):  # a stop string: the end, whatever came
                 if out.finish_reason is None:
-                    self._send(replica, ("abort", request.id))
+                    self._send(replica, wire.Abort(request.id))
                 out.finish_reason = "stop"
             out.text = request.text.delta(out.finish_reason is not None)
             first = request.last_token is None

@@ -3,22 +3,26 @@
 It feeds the API server's commands (`add`, `abort`, `stop`) to the engine through its streaming
 API (add_request, stream_step, abort_request) and after every step sends back one message: the
 requests it took or refused, each request's new tokens (no text: the API server detokenizes) and
-the replica's load. Pickled tuples on a DEALER socket named by the replica's rank. A replica the
-API server started exits when told to stop, when its parent is gone or when a step fails; a
-`--headless` one serves until SIGTERM. docs/serving.md draws the message flow.
+the replica's load. Typed messages (wire.py) on a DEALER socket named by the replica's rank, which
+presents the replicas' CURVE keys. A replica the API server started exits when told to stop, when
+its parent is gone or when a step fails; a `--headless` one serves until SIGTERM. docs/serving.md
+draws the message flow.
 """
 import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
 
+import msgspec
 import torch
 import zmq
 
+from nanoserve.config import SamplingParams, extension
 from nanoserve.extensions.stats import scheduler_stats
 from nanoserve.llm_engine import LLMEngine, RequestOutput, TextStream
 from nanoserve.sequence import Sequence
+from nanoserve.server import wire
 
 logger = logging.getLogger("nanoserve.server")
 HEARTBEAT_S = 0.5  # an idle replica still reports this often: its sign of life
@@ -29,14 +33,6 @@ class TokenStream(TextStream):
 
     def update(self, token_ids: list[int], finished: bool) -> None:
         """Nothing to decode here."""
-
-
-@dataclass
-class FinalOutput(RequestOutput):
-    """A request's last output, with what speculative decoding drafted and accepted for it."""
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
 
 
 class EngineCore:
@@ -52,19 +48,30 @@ class EngineCore:
         while self.parent is None or os.getppid() == self.parent:
             timeout_ms = 0 if self.engine.has_unfinished() else HEARTBEAT_S * 1000
             while self.socket.poll(timeout_ms):
-                command = self.socket.recv_pyobj()
-                if command[0] == "stop":
+                try:
+                    command = wire.decode_command(self.socket.recv())
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:  # run nothing
+                    logger.error(f"dropped a message that is no command ({e})")
+                    continue
+                if isinstance(command, wire.Stop):
                     return
-                getattr(self, command[0])(*command[1:])  # add or abort
+                if isinstance(command, wire.Add):
+                    self.add(command.request_id, command.token_ids, command.params, command.guided)
+                else:
+                    self.abort(command.request_id)
                 timeout_ms = 0
             outputs = self.step() if self.engine.has_unfinished() else []
-            self.socket.send_pyobj(("step", self.added, outputs, self.load()))
+            self.socket.send(wire.encode(wire.Step(self.added, outputs, self.load())))
             self.added = []
 
-    def add(self, request_id: int, token_ids: list[int], params: object) -> None:
+    def add(self, request_id: int, token_ids: list[int], params: SamplingParams,
+            guided: dict | None) -> None:
         try:
+            if guided is not None:  # GuidedDecodingParams' fields, as sent
+                guided = extension("guided").GuidedDecodingParams(**guided)
+                params = replace(params, guided_decoding=guided)
             seq = self.engine.add_request(token_ids, params)  # its stream: a TokenStream
-        except ValueError as e:  # bad prompt: back to its own request, the engine unchanged
+        except (ValueError, TypeError) as e:  # bad prompt: back to its request, engine unchanged
             self.added.append((request_id, str(e)))
             return
         self.engine.streams[seq.seq_id] = TokenStream(self.engine.tokenizer, streamed=True)
@@ -89,9 +96,7 @@ class EngineCore:
     def final(self, out: RequestOutput, seq: Sequence) -> RequestOutput:
         """A request's last output, with speculative decoding's counts for it when it ran."""
         del self.ids[seq.seq_id]
-        if not (counts := self.engine.loop.counts(seq)):  # speculation's, if it ran
-            return out
-        return FinalOutput(**vars(out), **counts)
+        return wire.FinalOutput(**vars(out), **self.engine.loop.counts(seq))  # speculation's
 
     def load(self) -> dict:
         """The replica's queues, KV blocks and speculation totals (the API server's metrics)."""
@@ -101,10 +106,11 @@ class EngineCore:
         return load
 
 
-def run(address: str, rank: int, model: str | None, settings: dict,
+def run(address: str, rank: int, model: str | None, settings: dict, keys: wire.Keys,
         devices: str | None = None, num_threads: int | None = None, headless: bool = False) -> None:
     """A replica's process: load the engine on `devices` (CUDA_VISIBLE_DEVICES), connect to the
-    API server at `address`, say ready, serve until stopped, shut the engine down."""
+    API server at `address` with the replicas' keys, say ready, serve until stopped, shut the
+    engine down."""
     if devices is not None:  # before anything touches CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
     if num_threads:  # replicas sharing the CPU share its cores
@@ -119,9 +125,9 @@ def run(address: str, rank: int, model: str | None, settings: dict,
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, str(rank).encode())
-    socket.connect(address)
+    wire.connect_securely(socket, keys, address)
     try:
-        socket.send_pyobj(("ready", {"max_model_len": engine.config.max_model_len}))
+        socket.send(wire.encode(wire.Ready(engine.config.max_model_len)))
         logger.info(f"engine loaded, connected to {address}")
         EngineCore(engine, socket, parent).serve()
     finally:
