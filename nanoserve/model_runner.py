@@ -134,6 +134,8 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            gc.collect()  # memory an engine shut down earlier may still hold, freed before this
+            torch.cuda.empty_cache()  # one's model is built in it (its blocks would stay taken)
         if config.tensor_parallel_size > 1:  # the collectives: NCCL on GPUs, gloo on CPUs
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=rank,
                                     world_size=config.tensor_parallel_size, timeout=DIST_TIMEOUT,
@@ -144,8 +146,6 @@ class ModelRunner:
         k = config.num_speculative_tokens if config.speculative_method else 0
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
         self.backends = choose_backends(config, self.device)
-        gc.collect()  # memory an engine shut down earlier may still hold, freed before the model
-        torch.cuda.empty_cache()  # is built in it (its blocks would stay, part used, uncounted)
         self.model, self.rng = self._build_model(), np.random.default_rng()  # rng: unseeded keys
         self.graphs = None  # (the warm-up that sizes the cache runs eagerly)
         self.allocate_kv_cache()
