@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
@@ -24,6 +24,8 @@ from nanoserve.config import SamplingParams
 from nanoserve.server.engine_client import EngineClient, RequestStream
 from nanoserve.server.protocol import (
     COMPLETION_MAX_TOKENS,
+    ERRORS,
+    STREAMS,
     ChatCompletionRequest,
     CompletionRequest,
     Delta,
@@ -45,7 +47,7 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None = None)
         yield
         await client.stop()
 
-    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app = FastAPI(title="nanoserve", lifespan=lifespan, responses=ERRORS)
     add_error_handlers(app)
 
     @app.get("/health")
@@ -54,7 +56,7 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None = None)
             raise OpenAIError(503, f"engine replicas {down} of {len(client.replicas)} are down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -72,7 +74,7 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
                 "max_model_len": client.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=STREAMS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -81,7 +83,7 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
         reply = Completion(ResponseHead("completion", model_name), client.tokenizer, body.logprobs)
         return await respond(reply, stream, body, request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=STREAMS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         prompt = chat_prompt(client.tokenizer, body)

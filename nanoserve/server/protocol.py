@@ -41,6 +41,14 @@ class OpenAIError(Exception):
                           "code": self.code}}
 
 
+class ErrorBody(BaseModel):  # OpenAIError's body: {"error": {"message", "type", "param", "code"}}
+    error: dict[str, str | None]
+
+
+# the error statuses every route may answer, for the OpenAPI schema (a refusal, a missing key,
+# another model, no replica up, a bug); a completion streams as server-sent events
+ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 500, 503)}
+STREAMS = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 

@@ -106,9 +106,8 @@ def serve_securely(socket: zmq.Socket, keys: Keys) -> zmq.auth.asyncio.AsyncioAu
     replicas' key; returns the authenticator, to stop with the socket."""
     authenticator = zmq.auth.asyncio.AsyncioAuthenticator(socket.context)
     authenticator.start()
-    replica = keys.replica_public.encode()  # the one client key admitted
     authenticator.configure_curve_callback("*", credentials_provider=SimpleNamespace(
-        callback=lambda domain, key: key == replica))
+        callback=lambda domain, key: key == keys.replica_public.encode()))  # the one admitted
     socket.curve_secretkey, socket.curve_publickey = (keys.server_secret.encode(),
                                                       keys.server_public.encode())
     socket.curve_server = True
