@@ -25,10 +25,11 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -172,21 +173,6 @@ async def soak(url: str, model: str, num_requests: int, rate: float, timeout: fl
             "rss_after_mb": rss_after and round(rss_after / 2**20), "checks": checks}
 
 
-def start_server(port: int, args: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--port", str(port),
-                             "--log-level", "warning", *args])
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("the server did not start")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server (default: start one)")
@@ -200,17 +186,25 @@ def main(argv: list[str] | None = None) -> None:
                         help="flags of the server this starts")
     args = parser.parse_args(argv)
     proc, url, pid = None, args.url, args.server_pid
-    if url is None:
-        port = 8000 + os.getpid() % 1000
-        proc = start_server(port, args.server_args.split())
+    if url is None:  # a server of its own, started and stopped as bench_serve.py does
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from bench_serve import stop, wait_until_up
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = Path(tempfile.mkdtemp()) / "server.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--port", str(port),
+                                     "--log-level", "warning", *args.server_args.split()],
+                                    stdout=out, stderr=subprocess.STDOUT)
         url, pid = f"http://127.0.0.1:{port}", proc.pid
+        wait_until_up(proc, url, log)
     try:
         result = asyncio.run(soak(url, args.model, args.requests, args.rate, args.timeout, pid,
                                   args.api_key))
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop(proc)
     print(json.dumps(result))
     sys.exit(0 if all(result["checks"].values()) else 1)
 
