@@ -1,6 +1,8 @@
 """End to end on the packaged default model (SmolLM2-135M-Instruct, float32 on the CPU):
 nanoserve's greedy output must be token-identical to Hugging Face transformers', also when
-sequences are preempted, when prompts are chunked, and with prefix caching on or off."""
+sequences are preempted, when prompts are chunked, and with prefix caching on or off. Every
+engine here runs on the CPU, also on a machine with a GPU: the GPU's promises (batch_invariant's
+same bits, logprobs close to transformers') are tests/test_gpu.py's."""
 import gc
 import math
 import os
@@ -41,7 +43,7 @@ def test_greedy_matches_transformers(model_dir, prompts, hf_outputs, extensions)
         settings = dict(overlap_scheduling=True, trace=True, timeline=True)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["@@@"], logprobs=1,
                                 top_k=100_000)
-    with LLM(model_dir, **settings) as llm:
+    with LLM(model_dir, device="cpu", **settings) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         expected = {"trace", "timeline", "stop_strings", "logprobs",
                     "top_k_top_p"} if extensions else set()
@@ -59,7 +61,7 @@ def test_greedy_matches_transformers(model_dir, prompts, hf_outputs, extensions)
 
 def test_preemption_keeps_output(model_dir, prompts, hf_outputs):
     # 8 sequences of ~60 tokens need ~32 blocks of 16; 12 blocks force preemption by recompute
-    with LLM(model_dir, max_model_len=192, num_kvcache_blocks=12) as llm:
+    with LLM(model_dir, device="cpu", max_model_len=192, num_kvcache_blocks=12) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.block_manager.num_free_blocks == 12
@@ -67,7 +69,7 @@ def test_preemption_keeps_output(model_dir, prompts, hf_outputs):
 
 
 def test_chunked_prefill_keeps_output(model_dir, prompts, hf_outputs):
-    with LLM(model_dir, max_num_batched_tokens=16) as llm:
+    with LLM(model_dir, device="cpu", max_num_batched_tokens=16) as llm:
         outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == hf_outputs[:3]
 
@@ -78,7 +80,7 @@ def test_prefix_caching_on_and_off_agree(model_dir, prompts):
     params = SamplingParams(temperature=0, max_tokens=8)  # the hits are the prompts' blocks
     results = {}
     for caching in (True, False):
-        with LLM(model_dir, enable_prefix_caching=caching, max_model_len=256) as llm:
+        with LLM(model_dir, device="cpu", enable_prefix_caching=caching, max_model_len=256) as llm:
             first = llm.generate(shared[:1], params, use_tqdm=False)  # computes the prefix once
             rest = llm.generate(shared, params, use_tqdm=False)  # every prompt can hit it
             results[caching] = (first, rest, scheduler_stats(llm.scheduler).num_hits)
@@ -92,7 +94,7 @@ def test_prefix_caching_on_and_off_agree(model_dir, prompts):
 
 
 def test_sampling_seed_top_k_and_stop(model_dir, prompts):
-    with LLM(model_dir) as llm:
+    with LLM(model_dir, device="cpu") as llm:
         seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)
         alone = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]["token_ids"]
         neighbours = [SamplingParams(temperature=0, max_tokens=16),
@@ -131,7 +133,7 @@ def seeded_outputs(model_dir: str) -> tuple[list[list[int]], list[SamplingParams
                                      tokenize=True, return_dict=False) for q in SEEDED_QUESTIONS]
     params = [SamplingParams(temperature=1.0, max_tokens=24, seed=1000 + i)
               for i in range(len(chats))]
-    with LLM(model_dir, overlap_scheduling=False) as llm:
+    with LLM(model_dir, device="cpu", overlap_scheduling=False) as llm:
         alone = [llm.generate([c], [p], use_tqdm=False)[0]["token_ids"]
                  for c, p in zip(chats, params)]
     return chats, params, alone
@@ -149,7 +151,7 @@ def test_seeded_requests_sample_the_same_tokens_in_any_batch(model_dir, seeded_o
                         SamplingParams(temperature=1.0, max_tokens=30),
                         SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20),
                         SamplingParams(temperature=1.0, max_tokens=8, seed=5)]
-    with LLM(model_dir, overlap_scheduling=overlap) as llm:
+    with LLM(model_dir, device="cpu", overlap_scheduling=overlap) as llm:
         mixed = llm.generate(neighbours[:2] + chats + neighbours[2:],
                              neighbour_params[:2] + params + neighbour_params[2:], use_tqdm=False)
         reverse = llm.generate(chats[::-1] + neighbours, params[::-1] + neighbour_params,
@@ -162,7 +164,7 @@ def test_seeded_requests_sample_the_same_tokens_in_any_batch(model_dir, seeded_o
 def test_seeded_requests_keep_their_tokens_across_preemption(model_dir, seeded_outputs):
     chats, params, alone = seeded_outputs
     # 12 sequences of ~60 tokens need ~48 blocks of 16: 16 blocks force preemption by recompute
-    with LLM(model_dir, max_model_len=192, num_kvcache_blocks=16) as llm:
+    with LLM(model_dir, device="cpu", max_model_len=192, num_kvcache_blocks=16) as llm:
         outs = llm.generate(chats, params, use_tqdm=False)
         assert llm.scheduler.num_preemptions > 0
     assert [o["token_ids"] for o in outs] == alone
@@ -171,7 +173,7 @@ def test_seeded_requests_keep_their_tokens_across_preemption(model_dir, seeded_o
 def test_engine_freezes_what_it_holds_until_shutdown(model_dir, prompts, hf_outputs):
     """The engine's long-lived objects are left out of Python's full collections while it runs,
     and collectable again after shutdown; generation is unchanged."""
-    with LLM(model_dir) as llm:
+    with LLM(model_dir, device="cpu") as llm:
         model = llm.model_runner.model
         assert gc.get_freeze_count() > 0
         assert not any(o is model for o in gc.get_objects())  # frozen: no generation holds it
@@ -182,7 +184,7 @@ def test_engine_freezes_what_it_holds_until_shutdown(model_dir, prompts, hf_outp
 
 
 def test_text_prompts_and_trace(model_dir, caplog):
-    with LLM(model_dir, trace=True) as llm:
+    with LLM(model_dir, device="cpu", trace=True) as llm:
         caplog.clear()  # start-up's INFO line, shown once an earlier trace engine set the level
         with caplog.at_level("INFO", logger="nanoserve"):
             outs = llm.generate(["Hello, my name is", "The sky is"],
@@ -198,7 +200,7 @@ def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_d
                                                                         hf_outputs):
     # the two chat prompts share the template's first blocks: the second hits them when scheduled
     params = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(model_dir) as llm:
+    with LLM(model_dir, device="cpu") as llm:
         run = llm.model_runner.run
 
         def failing_run(batch, input_ids=None):  # no prefill runs: its registered blocks get no K/V
@@ -227,7 +229,7 @@ def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir,
 
         def logprob_dicts(self, token_ids):
             raise RuntimeError("simulated failure")
-    with LLM(model_dir) as llm:
+    with LLM(model_dir, device="cpu") as llm:
         run, others = llm.model_runner.run, []
 
         def failing_run(batch, input_ids=None):
@@ -251,7 +253,7 @@ def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, 
     # no generate(): add requests, then step; the first prefill and a later decode fail once each
     params = SamplingParams(temperature=0, max_tokens=8)
     # prompts of ~40 tokens: a chunk is in flight
-    with LLM(model_dir, max_num_batched_tokens=64) as llm:
+    with LLM(model_dir, device="cpu", max_num_batched_tokens=64) as llm:
         seqs = [llm.add_request(p, params) for p in prompts[:3]]
         run, calls = llm.model_runner.run, []
 
@@ -274,7 +276,7 @@ def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, 
 
 def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_outputs):
     params = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(model_dir) as llm:
+    with LLM(model_dir, device="cpu") as llm:
         other = llm.add_request(prompts[2], params)  # in no generate() call: it must survive
         run, calls = llm.model_runner.run, []
 
@@ -312,7 +314,7 @@ def test_fp8_kv_cache_stays_close(model_dir, prompts, hf_model, hf_outputs):
     fp8's two best tokens all but tie), so the sequence parts there or runs on to a wider flip.
     tools/fp8_accuracy.py prints the figures."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
-    with LLM(model_dir, kv_cache_dtype="fp8") as llm:
+    with LLM(model_dir, device="cpu", kv_cache_dtype="fp8") as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     deltas, identical = [], 0
     for ids, out, ref in zip(prompts, outs, hf_outputs):
@@ -346,7 +348,7 @@ def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_model, hf_outputs):
     requests = [ids + ref[:t] for ids, ref in zip(prompts, hf_outputs) for t in range(len(ref))]
     chosen = [t for ref in hf_outputs for t in ref]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
-    with LLM(model_dir, kv_cache_dtype="fp8") as llm:
+    with LLM(model_dir, device="cpu", kv_cache_dtype="fp8") as llm:
         assert llm.model_runner.kv_cache.dtype == torch.float8_e4m3fn
         outs = llm.generate(requests, params, use_tqdm=False)
     with torch.no_grad():  # (T, V) full-precision logprobs at every position of each output
@@ -374,9 +376,9 @@ def test_fp8_prefill_reads_what_the_cache_holds(model_dir, prompts):
     (median 0.16); rounded, by 1e-5 or less, unless a float32 difference flips one e4m3 rounding:
     hence the median."""
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    with LLM(model_dir, kv_cache_dtype="fp8", enable_prefix_caching=False) as llm:
+    with LLM(model_dir, device="cpu", kv_cache_dtype="fp8", enable_prefix_caching=False) as llm:
         cold = llm.generate(prompts, params, use_tqdm=False)
-    with LLM(model_dir, kv_cache_dtype="fp8") as llm:
+    with LLM(model_dir, device="cpu", kv_cache_dtype="fp8") as llm:
         llm.generate(prompts, params, use_tqdm=False)  # caches the prompts' full blocks
         warm = llm.generate(prompts, params, use_tqdm=False)
     assert all(out["num_cached_tokens"] > 0 for out in warm)
@@ -404,7 +406,7 @@ import nanoserve
 from nanoserve import LLM, SamplingParams
 prompts = json.load(sys.stdin)
 out = {"file": nanoserve.__file__}
-with LLM(None, overlap_scheduling=False) as llm:
+with LLM(None, device="cpu", overlap_scheduling=False) as llm:
     params = SamplingParams(temperature=0, max_tokens=%d)
     outs = llm.generate(prompts, params, use_tqdm=False)
     out["greedy"], out["text"] = [o["token_ids"] for o in outs], outs[0]["text"]
@@ -416,7 +418,7 @@ with LLM(None, overlap_scheduling=False) as llm:
         out["stop"] = str(e)
 for setting in ("overlap_scheduling", "timeline"):
     try:
-        LLM(None, **{"overlap_scheduling": False, setting: True})
+        LLM(None, **{"device": "cpu", "overlap_scheduling": False, setting: True})
     except ValueError as e:
         out[setting] = str(e)
 print(json.dumps(out))

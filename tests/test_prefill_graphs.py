@@ -36,7 +36,8 @@ def llm(model_dir, monkeypatch, request):
     monkeypatch.setattr(prefill_graphs, "FLASH_DTYPES", (torch.float32,))  # the CPU's dtype
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no decode graph to pool
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    with LLM(model_dir, max_model_len=1024, max_num_batched_tokens=request.param) as llm:
+    with LLM(model_dir, device="cpu", max_model_len=1024,
+             max_num_batched_tokens=request.param) as llm:
         runner = llm.model_runner
         assert runner.graphs is None  # no graphs on the CPU: the test gives its own
         runner.graphs = prefill_graphs.PrefillGraphs(runner.model, 0, runner.max_blocks_per_seq,
