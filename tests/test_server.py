@@ -680,6 +680,55 @@ def test_a_headless_replica_connects_over_tcp(tmp_path):
             headless.kill()
 
 
+def ray_actor_pids() -> list[int]:
+    """The replicas' Ray workers: Ray names each process after its actor's running call."""
+    return [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+            and b"ray::ReplicaActor" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_replicas_on_a_ray_cluster(tmp_path):
+    """`--data-parallel-backend ray`: the server starts a local Ray cluster and two replicas as
+    actors in its placement group; requests go to both. A killed actor's stream fails at once (a
+    5xx error event within 10 s), the other replica's stream runs on, and Ray's restart brings
+    the replica back: the server routes to it again, and SIGTERM still exits 0."""
+    pytest.importorskip("ray")
+    server = start_server("--model", tiny_model(tmp_path), "--served-model-name", MODEL,
+                          "--data-parallel-size", "2", "--data-parallel-backend", "ray")
+    try:
+        streams = open_streams(server, 2)
+        m = server.metrics()
+        assert m["nanoserve_num_requests_running" + replica(0)] == 1
+        assert m["nanoserve_num_requests_running" + replica(1)] == 1
+        assert len(pids := ray_actor_pids()) == 2
+        os.kill(pids[0], signal.SIGKILL)
+        killed, failed = time.monotonic(), []
+        for stream in streams:
+            try:
+                for i, _ in enumerate(stream):
+                    if i == 50:  # this replica serves on
+                        stream.close()
+                        break
+            except openai.APIError as e:
+                failed.append((str(e), time.monotonic() - killed))
+        [(message, seconds)] = failed
+        assert re.search("engine replica [01] exited", message) and seconds < 10
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        deadline = time.monotonic() + START_TIMEOUT_S  # Ray restarts the actor; it loads again
+        while httpx.get(f"{server.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, server.log.read_text()
+            time.sleep(0.5)
+        assert len(ray_actor_pids()) == 2 and pids[0] not in ray_actor_pids()
+        streams = open_streams(server, 2)
+        m = server.metrics()
+        assert m["nanoserve_num_requests_running" + replica(0)] == 1
+        assert m["nanoserve_num_requests_running" + replica(1)] == 1
+        for stream in streams:
+            stream.close()
+    finally:
+        stop_server(server)
+    assert server.proc.returncode == 0, server.log.read_text()
+
+
 @pytest.fixture
 def tp_server(tmp_path):
     """The tiny Qwen3 served by two tensor-parallel ranks: they talk through shared memory."""
@@ -775,8 +824,9 @@ def test_the_wire_decodes_its_own_types_only(tmp_path):
     assert GuidedDecodingParams(**add.guided) == params.guided_decoding
     out = RequestOutput(5, "", [9], [{9: -0.5}], "stop", 3, 0, 1)
     step = wire.decode_reply(wire.encode(wire.Step([(5, 3), (6, "empty prompt")], [out],
-                                                   {"num_running": 1, "spec": {"num_drafts": 2}})))
+                                                   {"num_running": 1})))
     assert step.outputs[0].token_ids == [9] and step.outputs[0].num_draft_tokens is None
+    assert step.load == {"num_running": 1}
     assert step.added == [(5, 3), (6, "empty prompt")]
     for decode, data in ((wire.decode_command, pickle.dumps(Canary(tmp_path / "canary"))),
                          (wire.decode_reply, wire.encode(wire.Abort(5)))):

@@ -16,27 +16,15 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.config import SamplingParams
+from nanoserve.server import protocol
 from nanoserve.server.engine_client import EngineClient, RequestStream
-from nanoserve.server.protocol import (
-    COMPLETION_MAX_TOKENS,
-    ERRORS,
-    STREAMS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Delta,
-    OpenAIError,
-    ResponseHead,
-    StreamOptions,
-    chat_logprobs,
-    completion_logprobs,
-)
-
-CLIENT_CLOSED = 499  # nginx's status for a client that left: nobody reads it
+from nanoserve.server.protocol import Delta, OpenAIError
 
 
 def build_app(client: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -47,7 +35,7 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None = None)
         yield
         await client.stop()
 
-    app = FastAPI(title="nanoserve", lifespan=lifespan, responses=ERRORS)
+    app = FastAPI(title="nanoserve", lifespan=lifespan, responses=protocol.ERRORS)
     add_error_handlers(app)
 
     @app.get("/health")
@@ -74,17 +62,18 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
                 "max_model_len": client.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @v1.post("/completions", responses=STREAMS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    @v1.post("/completions", responses=protocol.STREAMS)
+    async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
-        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        max_tokens = protocol.COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs)
         stream = await submit(client, body.single_prompt(), params, body)
-        reply = Completion(ResponseHead("completion", model_name), client.tokenizer, body.logprobs)
+        head = protocol.ResponseHead("completion", model_name)
+        reply = Completion(head, client.tokenizer, body.logprobs)
         return await respond(reply, stream, body, request)
 
-    @v1.post("/chat/completions", responses=STREAMS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    @v1.post("/chat/completions", responses=protocol.STREAMS)
+    async def chat_completions(body: protocol.ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         prompt = chat_prompt(client.tokenizer, body)
         limit = body.max_tokens if body.max_completion_tokens is None else (
@@ -92,17 +81,13 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
         max_tokens = room_left(client.max_model_len, prompt) if limit is None else limit
         logprobs = body.engine_logprobs()
         stream = await submit(client, prompt, body.sampling_params(max_tokens, logprobs), body)
-        chat = ChatCompletion(ResponseHead("chat", model_name), client.tokenizer, logprobs)
+        chat = ChatCompletion(protocol.ResponseHead("chat", model_name), client.tokenizer, logprobs)
         return await respond(chat, stream, body, request)
 
     return v1
 
 
 # ---- errors ------------------------------------------------------------------------------------
-ROUTES = ("GET /health, GET /metrics, GET /v1/models, POST /v1/completions, "
-          "POST /v1/chat/completions")
-
-
 def add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's shape, FastAPI's own (404, 405, 422) included."""
     @app.exception_handler(OpenAIError)
@@ -119,7 +104,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)  # routing: no such route, or wrong method
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        error = routing_error(request, e.status_code, e.detail)
+        routes = ", ".join(f"{method} {route.path}" for route in app.routes
+                           if isinstance(route, APIRoute) for method in route.methods)
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(e.status_code)
+        error = OpenAIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}; "
+                                           f"the routes are {routes}", None, code)
         return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)  # a bug: still a body an OpenAI client can read
@@ -128,34 +117,19 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(OpenAIError(500, message).body(), status_code=500)
 
 
-def routing_error(request: Request, status: int, detail: str) -> OpenAIError:
-    where = f"{request.method} {request.url.path}"
-    if status == 404:
-        return OpenAIError(404, f"no route {where}: the routes are {ROUTES}", None, "unknown_url")
-    if status == 405:
-        return OpenAIError(405, f"{where} is not allowed: the routes are {ROUTES}", None,
-                           "method_not_allowed")
-    return OpenAIError(status, f"{where}: {detail}")
-
-
 def validation_error(errors: list[dict]) -> OpenAIError:
-    """pydantic's errors as one 400: every problem in the message, the first one's field as
-    `param`, and OpenAI's code for a missing or a mistyped field."""
-    message = "; ".join(describe(err) for err in errors)
+    """pydantic's errors as one 400: every problem ("field: what is wrong") in the message, the
+    first one's field as `param`, and OpenAI's code for a missing or a mistyped field."""
+    def where(err: dict) -> str:
+        return ".".join(str(part) for part in err["loc"] if part != "body")
+
     first = errors[0] if errors else {"type": "", "loc": ()}
     if first["type"] == "json_invalid":
-        return OpenAIError(400, message)
-    param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+        reason = first.get("ctx", {}).get("error", "")
+        return OpenAIError(400, f"the body is not valid JSON ({reason})")
+    message = "; ".join(f"{where(err) or 'body'}: {err['msg']}" for err in errors)
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_type"
-    return OpenAIError(400, message, param, code)
-
-
-def describe(err: dict) -> str:
-    """One pydantic error as "field: what is wrong"."""
-    if err["type"] == "json_invalid":
-        return f"the body is not valid JSON ({err.get('ctx', {}).get('error', '')})"
-    where = ".".join(str(part) for part in err["loc"] if part != "body")
-    return f"{where or 'body'}: {err['msg']}"
+    return OpenAIError(400, message, where(first) or None, code)
 
 
 # ---- checks --------------------------------------------------------------------------------------
@@ -164,9 +138,8 @@ def key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     must carry `Authorization: Bearer <api_key>`."""
     async def check(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise OpenAIError(401, "missing or wrong API key: send the header "
-                                   "'Authorization: Bearer <key>' with the server's --api-key",
-                              None, "invalid_api_key")
+            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                   "with the server's --api-key", None, "invalid_api_key")
     return check
 
 
@@ -176,7 +149,8 @@ def check_model(asked: str, served: str) -> None:
                                f"'{served}' (see GET /v1/models)", "model", "model_not_found")
 
 
-def chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt(tokenizer: PreTrainedTokenizerBase,
+                body: protocol.ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, ending where the assistant's turn starts."""
     if not body.messages:
         raise OpenAIError(400, "messages is empty: send at least one {'role': 'user', "
@@ -187,7 +161,7 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest)
 
 
 async def submit(client: EngineClient, prompt: str | list[int], params: SamplingParams,
-                 body: CompletionRequest | ChatCompletionRequest) -> RequestStream:
+                 body: protocol.SamplingRequest) -> RequestStream:
     """The request, tokenized, into a replica; the engine's refusal of the prompt (empty, outside
     the vocabulary, past max_model_len) is a 400 that blames the prompt's field."""
     if isinstance(prompt, str):
@@ -213,7 +187,7 @@ def room_left(max_model_len: int, prompt: list[int]) -> int:
 class Completion:
     """/v1/completions: a choice is {"text", "logprobs", "finish_reason"}."""
 
-    def __init__(self, head: ResponseHead, tokenizer: PreTrainedTokenizerBase,
+    def __init__(self, head: protocol.ResponseHead, tokenizer: PreTrainedTokenizerBase,
                  logprobs: int | None) -> None:
         self.head, self.tokenizer, self.k = head, tokenizer, logprobs
         self.text_offset = 0  # the sent tokens' characters: the next token's text_offset
@@ -221,7 +195,7 @@ class Completion:
     def choice(self, delta: Delta, chunk: bool) -> dict:
         logprobs = None
         if self.k is not None and delta.logprobs is not None:
-            logprobs = completion_logprobs(self.tokenizer, delta, self.k, self.text_offset)
+            logprobs = protocol.completion_logprobs(self.tokenizer, delta, self.k, self.text_offset)
             self.text_offset += sum(map(len, logprobs["tokens"]))  # not the text: stops hold it
         return {"index": 0, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
@@ -234,9 +208,8 @@ class ChatCompletion(Completion):
     """/v1/chat/completions: a choice holds a "message" (or, in a stream, a "delta")."""
 
     def choice(self, delta: Delta, chunk: bool) -> dict:
-        logprobs = None
-        if self.k is not None and delta.logprobs is not None:
-            logprobs = chat_logprobs(self.tokenizer, delta, self.k)
+        wanted = self.k is not None and delta.logprobs is not None
+        logprobs = protocol.chat_logprobs(self.tokenizer, delta, self.k) if wanted else None
         message = {"content": delta.text} if chunk else {"role": "assistant", "content": delta.text}
         return {"index": 0, "delta" if chunk else "message": message, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
@@ -247,19 +220,19 @@ class ChatCompletion(Completion):
         return self.head.wrap([choice], chunk=True)
 
 
-async def respond(shape: Completion, stream: RequestStream,
-                  body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+async def respond(shape: Completion, stream: RequestStream, body: protocol.SamplingRequest,
+                  request: Request) -> Response:
     if body.stream:
-        options = body.stream_options or StreamOptions()
+        options = body.stream_options or protocol.StreamOptions()
         return StreamingResponse(sse(shape, stream, options), media_type="text/event-stream")
     total = await until_disconnect(gather(stream), request)
     if total is None:
-        return Response(status_code=CLIENT_CLOSED)
+        return Response(status_code=499)  # nginx's status for a client that left: nobody reads it
     return JSONResponse(shape.head.wrap([shape.choice(total, chunk=False)], total.usage()))
 
 
 async def sse(shape: Completion, stream: RequestStream,
-              options: StreamOptions) -> AsyncIterator[str]:
+              options: protocol.StreamOptions) -> AsyncIterator[str]:
     """Server-sent events: one `data:` line per delta. A client that leaves cancels this
     generator (Starlette watches the socket), and leaving RequestStream aborts the request. A
     replica that goes down ends the stream with an `error` event (the status went out already)."""

@@ -43,15 +43,7 @@ SHUTDOWN_TIMEOUT_S = 30  # how long in-flight requests may run on after SIGTERM
 # ---- engine settings as flags -------------------------------------------------------------------
 # Values a flag accepts beyond what its type says, checked before the model loads. (The device is
 # listed here: the pre-start Config check runs on the CPU, whatever --device says.)
-CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cuda", "cpu"),
-           "log_level": ("error", "warning", "info", "debug")}
-
-
-def field_help(cls: type, name: str) -> str:
-    """A dataclass field's comment, read from its source by simple_parsing: the one trailing the
-    field's line (`name: type = default  # comment`), else the comment lines just above it."""
-    doc = get_attribute_docstring(cls, name)
-    return doc.comment_inline or doc.comment_above
+CHOICES = {"dtype": ("auto", *DTYPES), "device": ("auto", "cuda", "cpu")}
 
 
 def parse_optional(kind: Callable[[str], object]) -> Callable[[str], object]:
@@ -94,7 +86,11 @@ def add_config_flags(parser: argparse._ActionsContainer, cls: type,
             continue
         default = (f.default if f.default is not MISSING else
                    f.default_factory() if f.default_factory is not MISSING else None)
-        text = f.metadata.get("help") or field_help(cls, f.name) or f.name.replace("_", " ")
+        # its help: metadata["help"], else its comment as simple_parsing reads it from the
+        # source, the one trailing the field's line or else the lines just above it
+        doc = get_attribute_docstring(cls, f.name)
+        text = (f.metadata.get("help") or doc.comment_inline or doc.comment_above
+                or f.name.replace("_", " "))
         kwargs = flag_kwargs(hints[f.name])
         if choices := f.metadata.get("choices", CHOICES.get(f.name)):
             kwargs["choices"] = choices
@@ -117,10 +113,12 @@ class ServerArgs:
     served_model_name: str | None = None
     api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1 routes
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # seconds in-flight requests get after SIGTERM
-    log_level: str = "info"
+    log_level: typing.Literal["error", "warning", "info", "debug"] = "info"
     # engine replicas, each on GPUs of its own (--tensor-parallel-size each); a request goes to
     # the least loaded
     data_parallel_size: int = 1
+    # mp: the replicas in processes of this machine; ray: as actors of a Ray cluster, on any node
+    data_parallel_backend: typing.Literal["mp", "ray"] = "mp"
     # replicas this server starts (None: all); the others run --headless and connect to it
     data_parallel_size_local: int | None = None
     data_parallel_address: str = "127.0.0.1"  # where the replicas reach the API server
@@ -150,14 +148,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, dict]:
     return ServerArgs(**{k: v for k, v in args.items() if k in own}), settings
 
 
-def exit_quietly(signum: int, frame: object) -> None:
-    """uvicorn raises the signal it caught again once it has shut down; this handler is then
-    in place, so a drained shutdown ends with exit code 0, not a KeyboardInterrupt or -15."""
-
-
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
@@ -167,14 +159,17 @@ def replica_processes(args: ServerArgs, model: str, settings: dict, address: str
     on GPUs of its own (on the CPU: on a share of the cores); None for those started elsewhere."""
     size = args.data_parallel_size
     local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
+    if args.data_parallel_backend == "ray":  # an optional extra: imported when asked for
+        from nanoserve.server import ray_replicas
+        return ray_replicas.actor_processes(local, model, settings, address, keys) + [None] * (
+            size - local)
     tp = settings.get("tensor_parallel_size", 1)
     gpus = [] if settings.get("device") == "cpu" or not torch.cuda.is_available() else (
         os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
         .split(","))
     if gpus and local * tp > len(gpus):
-        raise SystemExit(f"{local} replicas of {tp} GPUs each need {local * tp} GPUs, "
-                         f"{len(gpus)} are visible: lower --data-parallel-size(-local) or "
-                         "--tensor-parallel-size")
+        raise SystemExit(f"{local} replicas of {tp} GPUs need {local * tp} GPUs, {len(gpus)} are "
+                         "visible: lower --data-parallel-size(-local) or --tensor-parallel-size")
     threads = None if gpus else max(1, torch.get_num_threads() // max(local, 1))
     spawn = mp.get_context("spawn")  # a fresh interpreter: CUDA is set up in the child
     return [spawn.Process(target=engine_core.run, name=f"nanoserve-replica-{rank}", args=(
@@ -209,8 +204,10 @@ def main(argv: list[str] | None = None) -> None:
                               keys)
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
         app = build_app(client, name, args.api_key)
+        # uvicorn raises the signal it caught again once it has shut down: this handler is then
+        # in place, so a drained shutdown exits 0, not with a KeyboardInterrupt or -15
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, exit_quietly)
+            signal.signal(signum, lambda *_: None)
         logging.getLogger("nanoserve.server").info(
             f"serving {model} as '{name}' at http://{args.host}:{args.port} once replicas are up")
         uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -54,7 +54,7 @@ class Replica:
     process: BaseProcess | None  # None: started on its own (headless)
     up: bool = False
     requests: dict[int, Request] = field(default_factory=dict)  # by request id
-    load: dict = field(default_factory=dict)  # its last report: queues, blocks, speculation
+    load: dict = field(default_factory=dict)  # its last report: queues and KV blocks
     num_unseen: int = 0  # requests sent that its last report did not count yet
     last_heard: float = 0.0
 
@@ -207,8 +207,8 @@ class EngineClient:
         while True:
             await asyncio.sleep(WATCH_S)
             for r in self.replicas:
-                if r.up and r.process is not None and r.process.exitcode is not None:
-                    self._down(r, f"exited with code {r.process.exitcode}")
+                if r.up and r.process is not None and (code := r.process.exitcode) is not None:
+                    self._down(r, f"exited with code {code}")
                 elif r.up and r.process is None and time.monotonic() - r.last_heard > SILENCE_S:
                     self._down(r, f"was silent for {SILENCE_S:.0f} s")
 

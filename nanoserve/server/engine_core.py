@@ -18,7 +18,7 @@ import msgspec
 import torch
 import zmq
 
-from nanoserve.config import SamplingParams, extension
+from nanoserve.config import extension
 from nanoserve.extensions.stats import scheduler_stats
 from nanoserve.llm_engine import LLMEngine, RequestOutput, TextStream
 from nanoserve.sequence import Sequence
@@ -56,21 +56,21 @@ class EngineCore:
                 if isinstance(command, wire.Stop):
                     return
                 if isinstance(command, wire.Add):
-                    self.add(command.request_id, command.token_ids, command.params, command.guided)
+                    self.add(command)
                 else:
                     self.abort(command.request_id)
                 timeout_ms = 0
             outputs = self.step() if self.engine.has_unfinished() else []
-            self.socket.send(wire.encode(wire.Step(self.added, outputs, self.load())))
+            load = scheduler_stats(self.engine.scheduler)._asdict()  # queues and KV blocks
+            self.socket.send(wire.encode(wire.Step(self.added, outputs, load)))
             self.added = []
 
-    def add(self, request_id: int, token_ids: list[int], params: SamplingParams,
-            guided: dict | None) -> None:
-        try:
-            if guided is not None:  # GuidedDecodingParams' fields, as sent
-                guided = extension("guided").GuidedDecodingParams(**guided)
-                params = replace(params, guided_decoding=guided)
-            seq = self.engine.add_request(token_ids, params)  # its stream: a TokenStream
+    def add(self, command: wire.Add) -> None:
+        request_id = command.request_id
+        try:  # guided decoding comes as GuidedDecodingParams' fields
+            guided = command.guided and extension("guided").GuidedDecodingParams(**command.guided)
+            params = replace(command.params, guided_decoding=guided)
+            seq = self.engine.add_request(command.token_ids, params)  # its stream: a TokenStream
         except (ValueError, TypeError) as e:  # bad prompt: back to its request, engine unchanged
             self.added.append((request_id, str(e)))
             return
@@ -89,21 +89,11 @@ class EngineCore:
         outputs = self.engine.stream_step()
         for i, out in enumerate(outputs):
             out.request_id = self.ids[out.request_id]
-            if out.finish_reason is not None:
-                outputs[i] = self.final(out, self.seqs.pop(out.request_id))
+            if out.finish_reason is not None:  # its last: with speculation's counts, if it ran
+                seq = self.seqs.pop(out.request_id)
+                del self.ids[seq.seq_id]
+                outputs[i] = wire.FinalOutput(**vars(out), **self.engine.loop.counts(seq))
         return outputs
-
-    def final(self, out: RequestOutput, seq: Sequence) -> RequestOutput:
-        """A request's last output, with speculative decoding's counts for it when it ran."""
-        del self.ids[seq.seq_id]
-        return wire.FinalOutput(**vars(out), **self.engine.loop.counts(seq))  # speculation's
-
-    def load(self) -> dict:
-        """The replica's queues, KV blocks and speculation totals (the API server's metrics)."""
-        load = scheduler_stats(self.engine.scheduler)._asdict()
-        if counts := self.engine.loop.counts():
-            load["spec"] = counts
-        return load
 
 
 def run(address: str, rank: int, model: str | None, settings: dict, keys: wire.Keys,

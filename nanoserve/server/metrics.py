@@ -6,6 +6,8 @@ a `replica` label: the replica's rank, or "total" for them all. Each server gets
 so two servers in one process (tests) do not clash. Names follow vLLM's (`vllm:` becomes
 `nanoserve_`); counters get prometheus_client's `_total`.
 """
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from nanoserve.llm_engine import RequestOutput
@@ -28,52 +30,42 @@ GAUGES = {  # per replica (label: its rank, or "total"): name -> (help, its valu
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        counter, histogram = partial(Counter, registry=r), partial(Histogram, registry=r)
         self.gauges = {name: Gauge(f"nanoserve_{name}", help, ["replica"], registry=r)
                        for name, (help, _) in GAUGES.items()}
-        self.prompt_tokens = Counter("nanoserve_prompt_tokens", "Prompt tokens of started "
-                                     "requests", registry=r)
-        self.prefix_hit_tokens = Counter("nanoserve_prefix_cache_hit_tokens",
-                                         "Prompt tokens served by the prefix cache", registry=r)
-        self.generation_tokens = Counter("nanoserve_generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.num_finished = Counter("nanoserve_request_success", "Requests finished, by reason",
-                                    ["finished_reason"], registry=r)
-        self.num_aborted = Counter("nanoserve_num_aborted_requests", "Requests aborted (the "
-                                   "client disconnected)", registry=r)
-        self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=TTFT_BUCKETS_S, registry=r)
-        self.itl = Histogram("nanoserve_inter_token_latency_seconds",
-                             "Time between two output tokens of a request", buckets=ITL_BUCKETS_S,
-                             registry=r)
-        self.e2e = Histogram("nanoserve_e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=E2E_BUCKETS_S, registry=r)
-        self.spec = {name: Counter(f"nanoserve_spec_decode_{name}", help, registry=r)
+        self.prompt_tokens = counter("nanoserve_prompt_tokens", "Prompt tokens of started requests")
+        self.prefix_hit_tokens = counter("nanoserve_prefix_cache_hit_tokens",
+                                         "Prompt tokens served by the prefix cache")
+        self.generation_tokens = counter("nanoserve_generation_tokens", "Tokens generated")
+        self.num_finished = counter("nanoserve_request_success", "Requests finished, by reason",
+                                    ["finished_reason"])
+        self.num_aborted = counter("nanoserve_num_aborted_requests",
+                                   "Requests aborted (the client disconnected)")
+        self.ttft = histogram("nanoserve_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=TTFT_BUCKETS_S)
+        self.itl = histogram("nanoserve_inter_token_latency_seconds",
+                             "Time between two output tokens of a request", buckets=ITL_BUCKETS_S)
+        self.e2e = histogram("nanoserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=E2E_BUCKETS_S)
+        self.spec = {name: counter(f"nanoserve_spec_decode_{name}", help)
                      for name, help in SPEC_COUNTERS.items()}
-        self.spec_seen: dict[int, dict] = {}  # per replica: its totals at the last look
-        self.step_size = Histogram("nanoserve_iteration_num_requests",
-                                   "Requests that advanced in one engine step (the batch)",
-                                   buckets=STEP_SIZE_BUCKETS, registry=r)
+        self.step_size = histogram("nanoserve_iteration_num_requests", "Requests that advanced "
+                                   "in one engine step (the batch)", buckets=STEP_SIZE_BUCKETS)
 
     def observe_load(self, replicas: list) -> None:
-        """Each replica's gauges as it last reported (0 while down), their totals, and what
-        its speculative decoding drafted since its last report."""
+        """Each replica's gauges as it last reported (0 while down), and their totals."""
         loads = {str(r.rank): {**r.load, "replica_up": r.up} for r in replicas}
-        loads["total"] = {key: sum(load.get(key, 0) for load in loads.values()) for key in
-                          ("replica_up", "num_running", "num_waiting", "num_free_blocks",
-                           "num_blocks")}
+        loads["total"] = {key: sum(load.get(key, 0) for load in loads.values())
+                          for key in set().union(*loads.values())}
         for label, load in loads.items():
             load["usage"] = 1 - load.get("num_free_blocks", 0) / load.get("num_blocks", 0) if (
                 load.get("num_blocks")) else 0
             for name, (_, key) in GAUGES.items():
                 self.gauges[name].labels(label).set(load.get(key or name, 0))
-        for replica in replicas:  # speculation's running totals: add what is new
-            seen = self.spec_seen.setdefault(replica.rank, dict.fromkeys(SPEC_COUNTERS, 0))
-            for name, count in replica.load.get("spec", {}).items():
-                self.spec[name].inc(max(count - seen[name], 0))
-                seen[name] = count
 
     def observe_output(self, out: RequestOutput, seconds: float, first: bool) -> None:
-        """One request's output of a step: seconds since its arrival (first) or last output."""
+        """One request's output of a step: seconds since its arrival (first) or last output; a
+        last output (wire.FinalOutput) brings its speculative decoding's counts."""
         num_tokens = len(out.token_ids)
         if first:
             self.ttft.observe(seconds)
@@ -83,6 +75,8 @@ class Metrics:
             for _ in range(num_tokens):  # a step that brought several tokens spreads its time
                 self.itl.observe(seconds / num_tokens)
         self.generation_tokens.inc(num_tokens)
+        for name, counter in self.spec.items():  # speculation's counts, on a request's last
+            counter.inc(getattr(out, name, None) or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,9 +36,8 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = self.TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "param": self.param, "code": self.code,
+                          "type": self.TYPES.get(self.status, "server_error")}}
 
 
 class ErrorBody(BaseModel):  # OpenAIError's body: {"error": {"message", "type", "param", "code"}}
@@ -49,12 +48,6 @@ class ErrorBody(BaseModel):  # OpenAIError's body: {"error": {"message", "type",
 # another model, no replica up, a bug); a completion streams as server-sent events
 ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 500, 503)}
 STREAMS = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
-SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
-
-
-def field_at_fault(message: str) -> str | None:
-    """The SamplingParams field a refusal starts with ("temperature must be ..."), if any."""
-    return next((name for name in SAMPLING_FIELDS if message.startswith(name + " ")), None)
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -116,7 +109,9 @@ class SamplingRequest(Strict):
                 stop_token_ids=self.stop_token_ids or [], seed=self.seed, stop=stop,
                 logprobs=logprobs, guided_decoding=self.guided_decoding())
         except ValueError as e:  # SamplingParams' checks name the field first
-            name = field_at_fault(str(e))
+            # the SamplingParams field the refusal starts with ("temperature must be ..."), if any
+            name = next((f.name for f in fields(SamplingParams)
+                         if str(e).startswith(f.name + " ")), None)
             param = self.param_name(name)  # the message names the request's field
             message = str(e) if name is None else param + str(e)[len(name):]
             raise OpenAIError(400, message, param, "invalid_value") from e
@@ -139,9 +134,8 @@ class SamplingRequest(Strict):
                                        "schema, a JSON schema", "response_format", "invalid_value")
             given["json"] = schema
         elif kind != "text":
-            raise OpenAIError(400, "response_format's type must be 'text', 'json_object' or "
-                                   f"'json_schema', got {kind!r}", "response_format",
-                              "invalid_value")
+            raise OpenAIError(400, f"response_format's type {kind!r} is not 'text', 'json_object'"
+                                   " or 'json_schema'", "response_format", "invalid_value")
         if not given:
             return None
         param = "response_format" if kind != "text" else f"guided_{next(iter(given))}"
@@ -222,9 +216,8 @@ class Delta:
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens = (
             out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
-        if getattr(out, "num_draft_tokens", None) is not None:
-            self.num_draft_tokens, self.num_accepted_tokens = (out.num_draft_tokens,
-                                                               out.num_accepted_tokens)
+        if (drafts := getattr(out, "num_draft_tokens", None)) is not None:
+            self.num_draft_tokens, self.num_accepted_tokens = drafts, out.num_accepted_tokens
 
     def usage(self) -> dict:
         """OpenAI's usage; with speculative decoding also its draft tokens, in the fields OpenAI
@@ -264,11 +257,10 @@ def completion_logprobs(tokenizer: PreTrainedTokenizerBase, delta: Delta, k: int
     """The legacy completions shape: parallel lists, top_logprobs keyed by token text."""
     tokens = [tokenizer.decode([t]) for t in delta.token_ids]
     offsets = list(accumulate(map(len, tokens), initial=text_offset))[:-1]  # each token's start
-    return {"tokens": tokens,
+    return {"tokens": tokens, "text_offset": offsets,
             "token_logprobs": [lp[t] for t, lp in zip(delta.token_ids, delta.logprobs)],
             "top_logprobs": [{tokenizer.decode([i]): v for i, v in top_k_items(lp, k)}
-                             for lp in delta.logprobs],
-            "text_offset": offsets}
+                             for lp in delta.logprobs]}
 
 
 def chat_logprobs(tokenizer: PreTrainedTokenizerBase, delta: Delta, k: int) -> dict:

@@ -8,7 +8,6 @@ received is ever run. The socket speaks ZMQ CURVE: the API server holds a server
 only connections that present the replicas' key pair (zmq.auth), which the replicas it starts get
 as arguments and a `--headless` one reads from the keys file that `--data-parallel-keys` names.
 """
-import json
 import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -47,7 +46,7 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Stop(msgspec.Struct, tag=True):
-    pass
+    """The replica aborts what it runs, frees its engine and exits."""
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -57,7 +56,7 @@ class Ready(msgspec.Struct, tag=True):
 class Step(msgspec.Struct, tag=True):
     added: list[tuple[int, int | str]]  # (request id, its prompt's token count, or the refusal)
     outputs: list[FinalOutput]
-    load: dict[str, int | dict[str, int]]  # the replica's queues, blocks and speculation counts
+    load: dict[str, int]  # the replica's queues and KV blocks (scheduler_stats)
 
 
 encode = msgspec.msgpack.Encoder().encode
@@ -82,9 +81,9 @@ class Keys(msgspec.Struct):
     def from_file(cls, path: str | None) -> "Keys":
         """The replicas' keys in path (an API server wrote it); else SystemExit naming the fix."""
         try:
-            with open(path or "") as f:
-                return msgspec.convert(json.load(f), cls)
-        except (OSError, ValueError) as e:
+            with open(path or "", "rb") as f:
+                return msgspec.json.decode(f.read(), type=cls)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
             raise SystemExit(f"--data-parallel-keys {path}: {e}. A --headless replica needs the "
                              "file its API server's --data-parallel-keys FILE wrote") from None
 
@@ -95,9 +94,9 @@ class Keys(msgspec.Struct):
     def save(self, path: str) -> None:
         """The replicas' part into path, readable by this user only (written whole, then moved
         there: a replica waiting for the file never reads half of it)."""
-        descriptor = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w") as f:
-            json.dump(msgspec.to_builtins(self.for_replicas()), f)
+        with os.fdopen(os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                       "wb") as f:
+            f.write(msgspec.json.encode(self.for_replicas()))
         os.replace(f"{path}.tmp", path)
 
 
