@@ -686,6 +686,8 @@ def ray_actor_pids() -> list[int]:
             and b"ray::ReplicaActor" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
+# the slow tail: a Ray cluster's start; the wire and keys it uses are the default tests' (above)
+@pytest.mark.slow
 def test_replicas_on_a_ray_cluster(tmp_path):
     """`--data-parallel-backend ray`: the server starts a local Ray cluster and two replicas as
     actors in its placement group; requests go to both. A killed actor's stream fails at once (a

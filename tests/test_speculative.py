@@ -117,8 +117,8 @@ def near_ties(a: list[list[int]], b: list[list[int]]) -> int:
 
 def test_seeded_and_greedy_outputs_are_the_same_on_and_off(model_dir, prompts, editing):
     chats = prompts + editing
-    params = ([SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24)
-               for i in range(len(chats))] + [SamplingParams(temperature=0, max_tokens=24)] *
+    params = ([SamplingParams(temperature=0.8, seed=100 + i, max_tokens=16)
+               for i in range(len(chats))] + [SamplingParams(temperature=0, max_tokens=16)] *
               len(chats))
     with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
         off = token_ids(llm.generate(chats * 2, params, use_tqdm=False))

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(None, num_kvcache_blocks=128, max_model_len=512) as llm:
+    with LLM(None, device="cpu", num_kvcache_blocks=128, max_model_len=512) as llm:
         yield llm
 
 

@@ -74,6 +74,9 @@ def test_tp2_matches_tp1_on_tiny_qwen3_and_shutdown_leaves_no_shm(tiny_qwen3):
     assert shm_entries() - before == set()
 
 
+# the slow tail (as the fp8 one below): speculation is the default tests' of test_speculative.py,
+# TP=2 test_tp2_matches_tp1's
+@pytest.mark.slow
 def test_tp2_with_speculative_decoding_matches_tp1(tiny_qwen3):
     """Drafts verified on two ranks: each runs the k + 1 rows a sequence, rank 0 samples them."""
     prompts = PROMPTS + [[3, 4, 5, 6] * 8]  # a loop: the lookup proposes
@@ -101,6 +104,7 @@ def test_tp2_with_guided_decoding_matches_tp1(tiny_qwen3):
     assert all(re.fullmatch(regex, o["text"]) for o in outs[2]), outs[2]
 
 
+@pytest.mark.slow
 def test_tp2_fp8_kv_cache_matches_tp1(tiny_qwen3):
     """An fp8 cache under tensor parallelism: each rank holds its KV heads in e4m3, and the
     logprobs are one rank's, where the full-precision cache's differ. The ranks sum in another

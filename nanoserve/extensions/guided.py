@@ -8,7 +8,8 @@ raises there) and compiled against the vocabulary on a pool of threads from the 
 request arrives; the compiler caches by the constraint's text, so
 requests that share a schema compile it once. Each request keeps a matcher: the state of its output
 in the grammar. Every step, before the sampler, the matchers of the guided rows fill a bitmask of
-the tokens allowed next (on several host threads, while the GPU runs the step's forward pass), and
+the tokens allowed next (on the engine's thread, or past POOL_ROWS rows on several, while the GPU
+runs the step's forward pass), and
 the disallowed logits of those rows become -inf; unguided rows are not touched. The step's recorded
 tokens then advance the matchers. EOS is allowed only where the grammar may end, and once it is done
 only EOS is, so a finished grammar finishes its request ("stop"); max_tokens may still cut it
@@ -43,6 +44,9 @@ from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
+# xgrammar starts and joins its pool of threads at every fill: up to this many rows, one thread
+# fills them sooner (docs/guided_decoding.md has the figures)
+POOL_ROWS = 128
 # an EBNF string literal, escaped as a JSON string but with characters past ASCII as they are:
 # escaped, one past the BMP becomes a surrogate pair, which xgrammar reads as two characters
 LITERAL = functools.partial(json.dumps, ensure_ascii=False)
@@ -137,7 +141,8 @@ class Guided(Extension):
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
         # four grammars compile at once, each on several threads of xgrammar's own
         self.compiling = ThreadPoolExecutor(4, "nanoserve-grammar")
-        self.filler = xgr.BatchGrammarMatcher()  # fills many rows' masks, on several threads
+        # fill the rows' masks: on this thread, or above POOL_ROWS rows on a pool of several
+        self.fillers = (xgr.BatchGrammarMatcher(max_threads=1), xgr.BatchGrammarMatcher())
         # (rows, V / 32) int32 on the host, pinned on CUDA, whence a stream of its own copies it
         k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
         cuda = runner.device.type == "cuda"
@@ -172,7 +177,8 @@ class Guided(Extension):
         self._catch_up(guides)
         live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
         indices, bitmask = [i for i, _ in live], self.bitmask[:len(seqs)]  # (S, V / 32)
-        self.filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
+        filler = self.fillers[len(live) > POOL_ROWS]
+        filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
         if self.copy_stream is not None:  # on the copy engine, while the forward pass runs
