@@ -3,7 +3,8 @@
 One server (`python -m nanoserve.server` in a subprocess, the default model, two data-parallel
 replicas, an API key) is shared by the module; requests are greedy and short. The fault tests
 start servers on a tiny random Qwen3: one whose replica is killed mid-request, one with a replica
-started on its own (headless) that connects over TCP, and one with two tensor-parallel ranks, so
+started on its own (headless) that connects over TCP, two replicas as actors of a local Ray
+cluster (one killed, and restarted by Ray), and one with two tensor-parallel ranks, so
 that shutdown has worker processes and shared memory to clean up, sent SIGTERM mid-stream: the
 stream must still finish, the process exit 0, and no child process or /dev/shm file be left.
 """
