@@ -161,8 +161,7 @@ def replica_processes(args: ServerArgs, model: str, settings: dict, address: str
     local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
     if args.data_parallel_backend == "ray":  # an optional extra: imported when asked for
         from nanoserve.server import ray_replicas
-        return ray_replicas.actor_processes(local, model, settings, address, keys) + [None] * (
-            size - local)
+        return ray_replicas.actor_processes(size, local, model, settings, address, keys)
     tp = settings.get("tensor_parallel_size", 1)
     gpus = [] if settings.get("device") == "cpu" or not torch.cuda.is_available() else (
         os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))

@@ -55,22 +55,24 @@ class ActorProcess:
         ray.kill(self.actor, no_restart=True)
 
 
-def actor_processes(size: int, model: str, settings: dict, address: str,
-                    keys: wire.Keys) -> list[ActorProcess]:
-    """The replicas' actors, placed in the cluster's bundles and not yet serving; SystemExit
-    naming the fix when the cluster has no room for them all."""
+def actor_processes(size: int, local: int, model: str, settings: dict, address: str,
+                    keys: wire.Keys) -> list[ActorProcess | None]:
+    """The actors of replicas 0 .. local - 1, placed in the cluster's bundles and not yet
+    serving (None for the others: headless ones); SystemExit naming the fix when the cluster has
+    no room for them all, or has other nodes and `address` is a loopback one."""
     ray.init(log_to_driver=True)  # the cluster running here (or RAY_ADDRESS's), else a local one
+    if "//127." in address and len(ray.nodes()) > 1:  # loopback: to set to this node's address
+        raise SystemExit(f"other nodes cannot reach {address}: set --data-parallel-address")
     on_gpus = settings.get("device") != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     gpus = settings.get("tensor_parallel_size", 1) if on_gpus else 0
     bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
-    group = placement_group([bundle] * size)
+    group = placement_group([bundle] * local)
     if not ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
-        raise SystemExit(f"the Ray cluster has no room for {size} replicas of {bundle} each "
-                         f"(it has {ray.cluster_resources()}): add nodes (`ray start --address="
-                         "HEAD:6379`) or lower --data-parallel-size / --tensor-parallel-size")
+        raise SystemExit(f"the Ray cluster ({ray.cluster_resources()}) has no room for {local} "
+                         f"bundles of {bundle}: add nodes or lower --data-parallel-size(-local)")
     actor = ray.remote(ReplicaActor)
     return [ActorProcess(actor.options(
         name=f"nanoserve-replica-{rank}", num_cpus=1, num_gpus=gpus, max_restarts=-1,
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank)).remote(),
         (address, rank, model, settings, keys.for_replicas(), None, None if gpus else 1))
-        for rank in range(size)]
+        for rank in range(local)] + [None] * (size - local)
