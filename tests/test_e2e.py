@@ -1,8 +1,9 @@
 """End to end on the packaged default model (SmolLM2-135M-Instruct, float32 on the CPU):
 nanoserve's greedy output must be token-identical to Hugging Face transformers', also when
 sequences are preempted, when prompts are chunked, and with prefix caching on or off. Every
-engine here runs on the CPU, also on a machine with a GPU: the GPU's promises (batch_invariant's
-same bits, logprobs close to transformers') are tests/test_gpu.py's."""
+engine here runs on the CPU, also on a machine with a GPU (but the core alone's, run there too):
+the GPU's promises (batch_invariant's same bits, logprobs close to transformers') are
+tests/test_gpu.py's."""
 import gc
 import math
 import os
@@ -406,10 +407,10 @@ sys.meta_path = [f for f in sys.meta_path
                  if "__editable__" not in str(getattr(f, "__module__", ""))]
 import nanoserve
 from nanoserve import LLM, SamplingParams
-prompts = json.load(sys.stdin)
+prompts, settings, num_tokens = json.load(sys.stdin)
 out = {"file": nanoserve.__file__}
-with LLM(None, device="cpu", overlap_scheduling=False) as llm:
-    params = SamplingParams(temperature=0, max_tokens=%d)
+with LLM(None, **settings) as llm:
+    params = SamplingParams(temperature=0, max_tokens=num_tokens)
     outs = llm.generate(prompts, params, use_tqdm=False)
     out["greedy"], out["text"] = [o["token_ids"] for o in outs], outs[0]["text"]
     parts = list(llm.stream(prompts[0], params))
@@ -420,7 +421,7 @@ with LLM(None, device="cpu", overlap_scheduling=False) as llm:
         out["stop"] = str(e)
 for setting in ("overlap_scheduling", "timeline"):
     try:
-        LLM(None, **{"device": "cpu", "overlap_scheduling": False, setting: True})
+        LLM(None, **{**settings, setting: True})
     except ValueError as e:
         out[setting] = str(e)
 print(json.dumps(out))
@@ -428,27 +429,50 @@ print(json.dumps(out))
 
 
 CORE_TOKENS = 8  # the copy starts a process: its greedy tokens are the first of transformers'
+# what the core alone runs with: no overlap; on the GPU no CUDA graphs, cascade or fused kernels
+CORE_ON = {"cpu": dict(device="cpu", overlap_scheduling=False),
+           "cuda": dict(device="cuda", dtype="float32", overlap_scheduling=False,
+                        enforce_eager=True, cascade_attention=False, fused_kernels=False)}
+
+
+def run_the_core_alone(tmp_path: Path, prompts: list[list[int]], settings: dict) -> dict:
+    """The CORE_ALONE script's results, in a process of its own on a copy of nanoserve/ without
+    extensions/ and server/."""
+    import json
+    import shutil
+    package = Path(__file__).resolve().parents[1] / "nanoserve"
+    shutil.copytree(package, tmp_path / "nanoserve", ignore=shutil.ignore_patterns(
+        "extensions", "server", "__pycache__"))
+    result = subprocess.run([sys.executable, "-c", CORE_ALONE], cwd=tmp_path,
+                            input=json.dumps([prompts, settings, CORE_TOKENS]),
+                            capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["file"].startswith(str(tmp_path))  # the copy, not the checkout
+    assert out["streamed"] == [out["greedy"][0], out["text"]]
+    for setting, name in (("stop", "stop_strings"), ("overlap_scheduling", "overlap"),
+                          ("timeline", "timeline")):
+        assert f"extension {name!r} is not installed" in out[setting]
+    return out
 
 
 def test_the_core_runs_alone(tmp_path, prompts, hf_outputs):
     """A copy of nanoserve/ without extensions/ and server/: greedy output still equals
     transformers', a streamed request works, and a setting that needs a missing extension raises
     a ValueError naming it."""
-    import json
-    import shutil
-    package = Path(__file__).resolve().parents[1] / "nanoserve"
-    shutil.copytree(package, tmp_path / "nanoserve", ignore=shutil.ignore_patterns(
-        "extensions", "server", "__pycache__"))
-    result = subprocess.run([sys.executable, "-c", CORE_ALONE % CORE_TOKENS], cwd=tmp_path,
-                            input=json.dumps(prompts[:4]), capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(tmp_path)},
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["file"].startswith(str(tmp_path))  # the copy, not the checkout
+    out = run_the_core_alone(tmp_path, prompts[:4], CORE_ON["cpu"])
     assert out["greedy"] == [ref[:CORE_TOKENS] for ref in hf_outputs[:4]]
-    assert out["streamed"] == [out["greedy"][0], out["text"]]
-    for setting, name in (("stop", "stop_strings"), ("overlap_scheduling", "overlap"),
-                          ("timeline", "timeline")):
-        assert f"extension {name!r} is not installed" in out[setting]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_the_core_runs_alone_on_the_gpu(tmp_path, model_dir, prompts):
+    """The same on the GPU (float32, eager, the core's own kernels): the copy's greedy tokens are
+    the whole package's with the same settings, the same code."""
+    out = run_the_core_alone(tmp_path, prompts[:4], CORE_ON["cuda"])
+    with LLM(model_dir, **CORE_ON["cuda"]) as llm:
+        outs = llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=CORE_TOKENS),
+                            use_tqdm=False)
+    assert out["greedy"] == [o["token_ids"] for o in outs]
 
