@@ -23,6 +23,8 @@ class ReplicaActor:
     """A Ray worker process that serves one replica when asked, as `--headless` does."""
 
     def serve(self, restarted: None, *args: object) -> None:
+        """engine_core.run's args; `restarted` (an ObjectRef that Ray resolves before the call)
+        only orders the call after the actor's restart."""
         engine_core.run(*args, headless=True)
 
 
