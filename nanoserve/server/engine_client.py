@@ -51,7 +51,9 @@ class Request:
 @dataclass(eq=False)
 class Replica:
     rank: int
-    process: BaseProcess | None  # None: started on its own (headless)
+    # a process, or a Ray actor with a process's verbs (ray_replicas.ActorProcess); None: started
+    # on its own (headless)
+    process: BaseProcess | None
     up: bool = False
     requests: dict[int, Request] = field(default_factory=dict)  # by request id
     load: dict = field(default_factory=dict)  # its last report: queues and KV blocks
@@ -87,9 +89,9 @@ class EngineClient:
         for process in filter(None, (r.process for r in self.replicas)):
             process.start()
         while not all(r.up for r in self.replicas):
-            if dead := [r for r in self.replicas if r.process and r.process.exitcode is not None]:
-                raise RuntimeError(f"engine replica {dead[0].rank} exited with code "
-                                   f"{dead[0].process.exitcode} while loading: its error is above")
+            if dead := [f"{r.rank} exited with code {code}" for r in self.replicas  # one read each
+                        if r.process and (code := r.process.exitcode) is not None]:
+                raise RuntimeError(f"engine replica {dead[0]} while loading: its error is above")
             await asyncio.sleep(WATCH_S)
 
     async def stop(self) -> None:

@@ -75,8 +75,8 @@ class Metrics:
             for _ in range(num_tokens):  # a step that brought several tokens spreads its time
                 self.itl.observe(seconds / num_tokens)
         self.generation_tokens.inc(num_tokens)
-        for name, counter in self.spec.items():  # speculation's counts, on a request's last
-            counter.inc(getattr(out, name, None) or 0)
+        for name in SPEC_COUNTERS if out.finish_reason else ():  # speculation's, on a last one
+            self.spec[name].inc(getattr(out, name, None) or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
