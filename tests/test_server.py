@@ -195,15 +195,22 @@ def open_streams(server: Server, n: int) -> list:
     return streams
 
 
+def streams_on_each_replica(server: Server, per_replica: int) -> list:
+    """Twice per_replica long streams, which the least-loaded routing spreads over the two
+    replicas: per_replica run on each."""
+    streams = open_streams(server, 2 * per_replica)
+    m = server.metrics()
+    assert m["nanoserve_num_requests_running" + replica(0)] == per_replica
+    assert m["nanoserve_num_requests_running" + replica(1)] == per_replica
+    return streams
+
+
 def test_both_replicas_serve(server):
     """Requests go to the least loaded replica: four at once run two on each; closing the
     streams aborts them in their replicas."""
     aborted = server.metrics()["nanoserve_num_aborted_requests_total"]
-    streams = open_streams(server, 4)
-    m = server.metrics()
-    assert m["nanoserve_num_requests_running" + replica(0)] == 2
-    assert m["nanoserve_num_requests_running" + replica(1)] == 2
-    assert m["nanoserve_num_requests_running" + TOTAL] == 4
+    streams = streams_on_each_replica(server, 2)
+    assert server.metrics()["nanoserve_num_requests_running" + TOTAL] == 4
     for stream in streams:
         stream.close()
     m = wait_until_idle(server, aborted + 3)
@@ -667,10 +674,7 @@ def test_a_headless_replica_connects_over_tcp(tmp_path):
     try:
         server = start_server("--model", model, "--served-model-name", MODEL,
                               "--data-parallel-size-local", "1", *dp)
-        streams = open_streams(server, 2)
-        m = server.metrics()
-        assert m["nanoserve_num_requests_running" + replica(0)] == 1
-        assert m["nanoserve_num_requests_running" + replica(1)] == 1
+        streams = streams_on_each_replica(server, 1)
         for stream in streams:
             stream.close()
         stop_server(server)
@@ -698,10 +702,7 @@ def test_replicas_on_a_ray_cluster(tmp_path):
     server = start_server("--model", tiny_model(tmp_path), "--served-model-name", MODEL,
                           "--data-parallel-size", "2", "--data-parallel-backend", "ray")
     try:
-        streams = open_streams(server, 2)
-        m = server.metrics()
-        assert m["nanoserve_num_requests_running" + replica(0)] == 1
-        assert m["nanoserve_num_requests_running" + replica(1)] == 1
+        streams = streams_on_each_replica(server, 1)
         assert len(pids := ray_actor_pids()) == 2
         os.kill(pids[0], signal.SIGKILL)
         killed, failed = time.monotonic(), []
@@ -721,10 +722,7 @@ def test_replicas_on_a_ray_cluster(tmp_path):
             assert time.monotonic() < deadline, server.log.read_text()
             time.sleep(0.5)
         assert len(ray_actor_pids()) == 2 and pids[0] not in ray_actor_pids()
-        streams = open_streams(server, 2)
-        m = server.metrics()
-        assert m["nanoserve_num_requests_running" + replica(0)] == 1
-        assert m["nanoserve_num_requests_running" + replica(1)] == 1
+        streams = streams_on_each_replica(server, 1)
         for stream in streams:
             stream.close()
     finally:
