@@ -242,7 +242,7 @@ def kv_difference_from_transformers(asked: list[str], num_prompts: int = 4) -> d
     model_dir = default_model_dir()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     diffs: dict[str, list[Tensor]] = {"K": [], "V": []}
-    with LLM(model_dir, enable_prefix_caching=False) as llm:
+    with LLM(model_dir, device="cpu", enable_prefix_caching=False) as llm:
         for prompt in chat_prompts(model_dir, asked)[:num_prompts]:
             kv_cache = llm.model_runner.kv_cache  # (2, layers, num_blocks, B, Hkv, D)
             kv_cache.zero_()  # then the prompt's slots are the non-zero ones
@@ -279,7 +279,7 @@ def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
         reference = probe_greedy(probe_model(model_dir, "sdpa"), prompts)
         rounded = probe_model(model_dir, "e4m3_rounded")  # rounds at each call
     else:
-        with LLM(model_dir) as llm:
+        with LLM(model_dir, device="cpu") as llm:
             reference = generate(llm, prompts, params)
     counts, means = [], []
     for run in range(runs):
@@ -287,7 +287,7 @@ def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
             if probe:
                 r = compare(reference, probe_greedy(rounded, prompts))
             else:  # a fresh engine: no prefix-cache hit on the K and V of an earlier run
-                with LLM(model_dir, kv_cache_dtype="fp8") as llm:
+                with LLM(model_dir, device="cpu", kv_cache_dtype="fp8") as llm:
                     r = compare(reference, generate(llm, prompts, params))
         print(f"  jittered run {run}: {r[f'identical_first_{PREFIX}']}/{r['sequences']} "
               f"identical over {PREFIX} tokens, mean |dlogprob| {r['mean_abs_dlogprob']:.4f}",
