@@ -159,7 +159,7 @@ SAMPLING_CHECKS: tuple[Check, ...] = (
     ("temperature", lambda v: _is_a(v, (int, float)) and v >= 0, "a real number >= 0 (0 = greedy)"),
     ("top_p", lambda v: _is_a(v, (int, float)) and 0 < v <= 1, "a real number in (0, 1] (1 = off)"),
     ("top_k", lambda v: _is_a(v, int) and v >= 0, "an integer >= 0 (0 = off)"),
-    ("max_tokens", lambda v: _is_a(v, int) and v >= 1, "an integer >= 1"),
+    *((f, lambda v: _is_a(v, int) and v >= 1, "an integer >= 1") for f in ("max_tokens", "n")),
     ("seed", lambda v: v is None or (_is_a(v, int) and v >= 0), "an integer >= 0 or None"),
     ("stop_token_ids", lambda v: isinstance(v, (list, tuple)) and all(_is_a(t, int) for t in v),
      "a list of integer token ids"),
@@ -168,6 +168,7 @@ SAMPLING_CHECKS: tuple[Check, ...] = (
     ("logprobs", lambda v: v is None or (_is_a(v, int) and 0 <= v <= MAX_LOGPROBS),
      f"None or an integer in [0, {MAX_LOGPROBS}]"),
     ("guided_decoding", lambda v: v is None or hasattr(v, "source"), "a GuidedDecodingParams"),
+    ("best_of", lambda v: v is None or (_is_a(v, int) and v >= 1), "None or an integer >= n"),
 )
 
 
@@ -183,8 +184,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end the sequence, matched on the text, left out of it
     logprobs: int | None = None  # k: each output token's log-probability and the k likeliest's
     guided_decoding: object = None  # a GuidedDecodingParams (extensions.guided): its constraint
+    n: int = 1  # samples of the prompt to return (extensions.samples)
+    best_of: int | None = None  # samples to run, of which the n likeliest are returned
 
     def __post_init__(self) -> None:
         check_fields(self, SAMPLING_CHECKS)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("stop_token_ids", "stop"):  # lists given: frozen as tuples
+            object.__setattr__(self, name, tuple(getattr(self, name)))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanoserve.config import Config, SamplingParams, extension
 from nanoserve.distributed import Workers
@@ -34,11 +34,20 @@ from nanoserve.weights import default_model_dir
 
 # the Extensions: module in nanoserve/extensions/ -> its class, in the order their hooks run
 # (guided masks the logits before top-k/p chooses among them)
-EXTENSIONS = {"guided": "Guided", "top_k_top_p": "TopKTopP", "logprobs": "Logprobs",
-              "stop_strings": "StopStrings", "trace": "Trace", "timeline": "Timeline"}
+EXTENSIONS = dict(guided="Guided", top_k_top_p="TopKTopP", logprobs="Logprobs",
+                  stop_strings="StopStrings", trace="Trace", timeline="Timeline", samples="Samples")
 # SamplingParams fields that switch an Extension on when not at their default: field -> module
 REQUEST_EXTENSIONS = {"stop": "stop_strings", "logprobs": "logprobs", "top_k": "top_k_top_p",
                       "top_p": "top_k_top_p", "guided_decoding": "guided"}
+
+
+def eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokens that end a sequence: the model's, the tokenizer's and the generation config's."""
+    ids = [config.hf_config.eos_token_id, tokenizer.eos_token_id]
+    with suppress(OSError):  # no generation_config.json
+        ids.append(GenerationConfig.from_pretrained(config.model).eos_token_id)
+    # each is one id, a list of ids, or None
+    return {j for i in ids for j in (i if isinstance(i, list) else [i]) if j is not None}
 
 
 class StepLoop:
@@ -103,12 +112,11 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         atexit.register(self.shutdown)
         try:  # an engine that fails to start (a bad setting, say) frees its GPU and workers now
             self.model_runner = ModelRunner(cfg, workers=self.workers, extensions=self.extensions)
-            self.scheduler = Scheduler(cfg, self._eos_token_ids())
+            self.scheduler = Scheduler(cfg, eos_token_ids(cfg, self.tokenizer))
             self.streams: dict[int, TextStream] = {}  # seq_id -> its text, for streams and stops
             self.num_sampled = 0  # tokens sampled since start-up
             self.loop = self._make_loop()
-            if cfg.trace:
-                self.switch_on("trace")
+            self.trace = self.switch_on("trace") if cfg.trace else None  # one log line a step
             self.timeline = self.switch_on("timeline") if cfg.timeline else None  # all steps
         except BaseException:
             self.shutdown()
@@ -141,13 +149,6 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
             loop = extension("speculative").SpeculativeLoop(self, fallback=loop)
         return loop
 
-    def _eos_token_ids(self) -> set[int]:
-        ids = [self.config.hf_config.eos_token_id, self.tokenizer.eos_token_id]
-        with suppress(OSError):  # no generation_config.json
-            ids.append(GenerationConfig.from_pretrained(self.config.model).eos_token_id)
-        # each is one id, a list of ids, or None
-        return {j for i in ids for j in (i if isinstance(i, list) else [i]) if j is not None}
-
     def _check_running(self) -> None:
         if self.model_runner is None:
             raise RuntimeError("this engine was shut down: create a new LLM")
@@ -156,8 +157,8 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate one request; raise ValueError naming the fix, changing nothing."""
         self._check_running()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, SamplingParams) or params.n > 1 or params.best_of:
+            raise ValueError(f"need one sample's SamplingParams (n > 1: generate()), got {params}")
         for field, name in REQUEST_EXTENSIONS.items():
             if getattr(params, field) != SamplingParams.__dataclass_fields__[field].default:
                 self.switch_on(name)
@@ -268,8 +269,8 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Generate for every prompt; outputs in prompt order: {"text", "token_ids",
-        "finish_reason", "num_cached_tokens"}."""
-        self._check_running()
+        "finish_reason", "num_cached_tokens"}, or with SamplingParams(n > 1) a list of n of them
+        (extensions.samples)."""
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of prompts (strings or token-id lists): wrap "
                              "a single prompt in a list")
@@ -277,6 +278,8 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give "
                              "one per prompt, or a single SamplingParams for all")
+        if any(sp.n > 1 or sp.best_of for sp in params if isinstance(sp, SamplingParams)):
+            return self.switch_on("samples").generate(prompts, params, use_tqdm)  # fanned out
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # check all
         for seq in seqs:
             self._follow_text(seq, streamed=False)
@@ -320,6 +323,11 @@ class LLMEngine(AbstractContextManager):  # `with LLM(...) as llm:` shuts it dow
                  "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}
                 | ({"logprobs": seq.logprobs} if seq.params.logprobs is not None else {})
                 for seq in seqs]
+
+    def beam_search(self, prompts: list[str] | list[list[int]], params: object) -> list[list[dict]]:
+        """Beam search (extensions.samples.BeamSearchParams): per prompt, its beam_width best
+        beams, best first: {"text", "token_ids", "cumulative_logprob", "score"}."""
+        return self.switch_on("samples").beam_search(prompts, params)
 
     # ---- lifetime -----------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -4,11 +4,13 @@ suite passes with it, `NANOSERVE_TEST_SPECULATIVE=ngram python -m pytest -q -m "
 
 The default model's fixtures that several test modules share (its directory, the chat prompts of
 test_e2e.QUESTIONS, transformers' greedy outputs) live here, once per session: transformers'
-outputs take seconds to compute on a CPU."""
+outputs take seconds to compute on a CPU; so does a tiny random Qwen3 that starts in a second."""
 import os
+import shutil
 
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from nanoserve.config import Config
 from nanoserve.extensions.batch_invariant import CUBLAS_ENV
@@ -78,3 +80,19 @@ def hf_outputs(hf_model, prompts: list[list[int]]) -> list[list[int]]:
             out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
             outs.append(out[0, len(ids):].tolist())
     return outs
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """A random Qwen3-shaped model that starts in a second: 4 q / 2 KV heads, vocab 1001 (not a
+    multiple of the rank count: the vocab-parallel padding is exercised), untied LM head."""
+    path = str(tmp_path_factory.mktemp("tiny_qwen3"))
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1001,
+                      max_position_embeddings=4096, tie_word_embeddings=False,
+                      initializer_range=0.2)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(default_model_dir(), name), path)
+    return path

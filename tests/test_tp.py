@@ -8,7 +8,6 @@ import multiprocessing
 import multiprocessing.context
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -18,10 +17,8 @@ import time
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.weights import default_model_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [[1, 5, 9, 200, 31], [7] * 20, list(range(40, 77))]
@@ -33,22 +30,6 @@ def one_thread_per_worker(monkeypatch):
     or three ranks on a 2-core machine do not spin against each other in every collective (this
     process keeps its threads). Greedy output does not depend on it."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory) -> str:
-    """A random Qwen3-shaped model that starts in a second: 4 q / 2 KV heads, vocab 1001 (not a
-    multiple of the rank count: the vocab-parallel padding is exercised), untied LM head."""
-    path = str(tmp_path_factory.mktemp("tiny_qwen3"))
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1001,
-                      max_position_embeddings=4096, tie_word_embeddings=False,
-                      initializer_range=0.2)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(default_model_dir(), name), path)
-    return path
 
 
 def greedy_ids(llm: LLM, prompts=PROMPTS) -> list[list[int]]:

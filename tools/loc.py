@@ -27,7 +27,8 @@ TOTAL_BUDGET = 2161  # code lines of the core and its extensions, but for those 
 # extensions written after the core's split, each to a budget of its own, held to it and left
 # out of TOTAL_BUDGET
 OWN_BUDGETS = {"extensions/speculative.py": 250, "extensions/guided.py": 150,
-               "extensions/prefill_graphs.py": 60, "extensions/batch_invariant.py": 150}
+               "extensions/prefill_graphs.py": 60, "extensions/batch_invariant.py": 150,
+               "extensions/samples.py": 150}
 SERVER_BUDGET = 1000  # code lines of the server (nanoserve/server/), counted apart from both
 MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 250  # all lines of one module, of one class
 EXTENSIONS = "extensions"  # nanoserve/extensions/: one module per idea, on top of the core

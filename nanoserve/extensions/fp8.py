@@ -16,11 +16,10 @@ import torch
 from nanoserve.config import Config
 from nanoserve.layers import Backends
 
-FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper and newer
-
 
 def backends(chosen: Backends, config: Config) -> Backends:
-    if config.device == "cuda" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+    # e4m3 conversions in hardware: compute capability 8.9 (Ada), Hopper and newer
+    if config.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         raise ValueError("kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
                          "(Ada, Hopper): use kv_cache_dtype='auto' on this one")
     return dataclasses.replace(chosen, kv_cache_dtype=torch.float8_e4m3fn)

@@ -140,12 +140,10 @@ class Timeline(Extension):
         ax.plot([r.finish for r in rows], range(len(rows)), "k|", ms=11, mew=1.5, label="finish")
         if len(rows) <= 40:  # few enough to label each row (the ylabel says what the number is)
             ax.set_yticks(range(len(rows)), [f"#{r.seq_id} ({r.num_prompt_tokens})" for r in rows])
-            for t, i in hits:  # the text starts two spaces right of the star
-                ax.text(t, i, f"  {rows[i].hits[t]} cached", va="center")
         ax.set(ylabel="request (prompt tokens)", ylim=(len(rows) - 0.5, -0.5))  # the first on top
         s = Step(*np.array(self.steps, int).reshape(-1, len(Step._fields)).T)  # each field (T,)
-        kv.stairs(s.num_used_blocks, x, fill=True, color="#807dba", label="in use")
-        kv.axhline(c.num_kvcache_blocks, color="black", ls="--", label="total")
+        kv.stairs(s.num_used_blocks, x, fill=True, color="#807dba",
+                  label=f"in use, of {c.num_kvcache_blocks}")
         # the prefill steps' tokens over every step's tokens as decode (drawn under them: zorder 0)
         tok.stairs(s.num_tokens * s.is_prefill, x, fill=True, color=rgba[PREFILL], label="prefill")
         tok.stairs(s.num_tokens, x, fill=True, color=rgba[DECODE], label="decode", zorder=0)

@@ -15,14 +15,13 @@ from torch import Tensor
 from nanoserve.model_runner import Extension
 from nanoserve.sequence import Sequence
 
-TEMPERATURE_MIN = 1e-5  # greedy rows (T = 0) divide by this to rank their tokens
-
 
 def mask_top_k_top_p(logits: Tensor, temperatures: Tensor, top_ks: Tensor,
                      top_ps: Tensor) -> Tensor:
     """logits (S, V) with -inf outside each row's top k (top_ks (S,), 0 = off) and outside the
     fewest tokens whose probability at temperatures (S,) reaches top_ps (S,) (1 = off)."""
-    scaled = logits.float() / temperatures.clamp(min=TEMPERATURE_MIN).unsqueeze(1)  # (S, V)
+    # (S, V); a greedy row (T = 0) divides by 1e-5, which keeps its tokens' ranks
+    scaled = logits.float() / temperatures.clamp(min=1e-5).unsqueeze(1)
     # stable: tied tokens keep one order, whatever else is in the batch
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # (S, V)
     k = torch.where(top_ks > 0, top_ks, logits.shape[-1]).unsqueeze(1)  # (S, 1)

@@ -26,8 +26,7 @@ class Trace(Extension):
         start-up, it skips start-up's INFO lines): the `nanoserve` logger passes INFO unless the
         program set its level, and prints to stderr unless a handler of the program's (or
         pytest's) would already print it."""
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
+        logger.setLevel(logger.level or logging.INFO)  # NOTSET (0): INFO
         if not logger.hasHandlers():  # in a log file, line by line; on a terminal through
             # tqdm.write, which clears a progress bar's line first and draws the bar again below
             stream = DummyTqdmFile(sys.stderr) if sys.stderr.isatty() else None
