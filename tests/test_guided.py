@@ -194,6 +194,8 @@ def test_unguided_seeded_request_keeps_its_tokens_in_a_mixed_batch(llm, chat):
     assert re.fullmatch(r"\d{3}-\d{4}", outs[2]["text"])
 
 
+# the slow tail: test_speculative.py and test_e2e.py check each of these by default
+@pytest.mark.slow
 def test_same_tokens_with_overlap_speculation_and_preemption(model_dir, chat):
     """Greedy and seeded guided requests give the same tokens with overlap scheduling on (the
     default) and off, with speculative decoding (drafts checked by the grammar), and with a KV

@@ -112,7 +112,8 @@ def server(tmp_path_factory):
                           "--data-parallel-keys", str(keys))
     server.rpc, server.keys = f"tcp://127.0.0.1:{rpc}", keys
     yield server
-    stop_server(server)
+    stop_server(server)  # SIGTERM: drained and stopped, the server exits 0
+    assert server.proc.returncode == 0, server.log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -609,7 +610,7 @@ def replica_pids(server: Server) -> list[int]:
             if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
-# the slow tail (with the next): test_sigterm_drains_and_exits_0 checks shutdown by default
+# the slow tail (with the next): the module's server checks that SIGTERM exits 0 by default
 @pytest.mark.slow
 def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
     """A replica killed mid-request: its stream ends with an error event and its plain request
@@ -739,6 +740,8 @@ def tp_server(tmp_path):
     stop_server(server)
 
 
+# the slow tail (its own TP server); the module's server exits 0 on SIGTERM by default
+@pytest.mark.slow
 def test_sigterm_drains_and_exits_0(tp_server):
     server = tp_server
     shm, children = shm_files(server.proc.pid), descendants(server.proc.pid)

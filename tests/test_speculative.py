@@ -162,6 +162,8 @@ def test_unseeded_sampling_keeps_the_distribution(model_dir):
     assert chi_square_pvalue(table) > 1e-3
 
 
+# the slow tail (as the two below): test_e2e.py checks each without speculation by default
+@pytest.mark.slow
 def test_preemption_chunked_prefill_and_prefix_caching(model_dir, prompts, greedy_reference):
     with LLM(model_dir, max_model_len=192, num_kvcache_blocks=12, **SPEC) as llm:
         assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == greedy_reference
@@ -174,6 +176,7 @@ def test_preemption_chunked_prefill_and_prefix_caching(model_dir, prompts, greed
     assert all(o["num_cached_tokens"] > 0 for o in again)
 
 
+@pytest.mark.slow
 def test_stops_and_max_tokens_inside_an_accepted_run(model_dir, editing):
     with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
         full = llm.generate(editing[:1], SamplingParams(temperature=0, max_tokens=48),
@@ -192,6 +195,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run(model_dir, editing):
     assert len(on[0]["token_ids"]) <= 21 and len(on[2]["token_ids"]) == 23
 
 
+@pytest.mark.slow
 def test_logprobs_for_every_emitted_token(model_dir, editing):
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
     outs = {}

@@ -69,6 +69,8 @@ def test_tp2_with_speculative_decoding_matches_tp1(tiny_qwen3):
         assert llm.loop.stats.num_accepted_tokens > 0
 
 
+# the slow tail: guided decoding's own tests and test_tp2_matches_tp1 by default
+@pytest.mark.slow
 def test_tp2_with_guided_decoding_matches_tp1(tiny_qwen3):
     """Masks on rank 0 only, where the tokens are sampled: the same guided greedy tokens as one
     rank, each a full match (the vocabulary is the tokenizer's first 1,001 ids: digits and "-"
