@@ -31,18 +31,16 @@ def all_blocks_free(llm: LLM) -> bool:
 
 
 def test_greedy_samples_are_copies_and_seeded_ones_keep_their_tokens_in_any_batch(llm, prompts):
-    greedy = SamplingParams(temperature=0, max_tokens=12)
-    alone, = llm.generate(prompts[:1], greedy, use_tqdm=False)
-    copies, = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, n=3),
-                           use_tqdm=False)
-    assert ids(copies) == [alone["token_ids"]] * 3
-    seeded = ids(llm.generate(prompts[:1], SEEDED, use_tqdm=False)[0])
+    """A prompt alone with n=1 (greedy, and seeded: sample 0's seed), then with n > 1 alone, then
+    mixed into batches: the greedy samples are copies, the seeded ones keep their tokens."""
+    greedy, one = (SamplingParams(temperature=t, seed=11, max_tokens=12) for t in (0, 1.0))
+    alone = ids(llm.generate(prompts[:1] * 2, [greedy, one], use_tqdm=False))
+    copies, seeded = (ids(out) for out in llm.generate(
+        prompts[:1] * 2, [replace(greedy, n=3), SEEDED], use_tqdm=False))
+    assert copies == [alone[0]] * 3 and seeded[0] == alone[1]  # sample 0 is the n=1 answer
     assert len(set(map(tuple, seeded))) > 1  # four seeds: the samples differ
-    one = SamplingParams(temperature=1.0, seed=11, max_tokens=12)  # sample 0 is the n=1 answer
-    assert llm.generate(prompts[:1], one, use_tqdm=False)[0]["token_ids"] == seeded[0]
     mixed = llm.generate(prompts[1:4] + prompts[:1], [greedy] * 3 + [SEEDED], use_tqdm=False)
     assert ids(mixed[3]) == seeded
-    assert ids(llm.generate(prompts[:1] * 2, [SEEDED, greedy], use_tqdm=False)[0]) == seeded
     assert all_blocks_free(llm)
 
 
@@ -64,13 +62,15 @@ def test_best_of_returns_the_likeliest_samples(llm, prompts):
         llm.add_request(prompts[0], SamplingParams(n=2))
 
 
-@pytest.mark.parametrize("width", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: the tail
-def test_beam_search_matches_transformers(llm, hf_model, prompts, width):
-    """Six chat prompts, their beams against transformers' generate(num_beams=width,
-    do_sample=False, length_penalty=1.0, early_stopping=False): the same beams, best first."""
+# by default two prompts at beam width 2; the slow tail the six prompts at widths 2 and 4
+@pytest.mark.parametrize("width, num_prompts", [
+    (2, 2), pytest.param(2, 6, marks=pytest.mark.slow), pytest.param(4, 6, marks=pytest.mark.slow)])
+def test_beam_search_matches_transformers(llm, hf_model, prompts, width, num_prompts):
+    """Chat prompts' beams against transformers' generate(num_beams=width, do_sample=False,
+    length_penalty=1.0, early_stopping=False): the same beams, best first."""
     params = BeamSearchParams(beam_width=width, max_tokens=16)
-    ours = llm.beam_search(prompts[:6], params)
-    for prompt, beams in zip(prompts[:6], ours):
+    ours = llm.beam_search(prompts[:num_prompts], params)
+    for prompt, beams in zip(prompts[:num_prompts], ours):
         with torch.no_grad():
             theirs = hf_model.generate(torch.tensor([prompt]), num_beams=width, do_sample=False,
                                        num_return_sequences=width, max_new_tokens=16,
