@@ -24,8 +24,7 @@ from nanoserve.model_runner import Extension
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
     """The SamplingParams of each sample a request runs (best_of, or n, of them): one sample each,
     seeded by (seed, i); with best_of, each also reports its tokens' logprobs, which rank them."""
-    if params.best_of is not None and not (type(params.best_of) is int
-                                           and params.best_of >= params.n):
+    if params.best_of is not None and params.best_of < params.n:  # (an int >= 1: SamplingParams)
         raise ValueError(f"best_of must be None or an integer >= n={params.n}, got "
                          f"{params.best_of}")
     logprobs = params.logprobs if params.best_of is None else params.logprobs or 0
