@@ -16,7 +16,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,9 +30,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer
 
 from nanoserve.config import Config
 from nanoserve.server import cli
@@ -587,18 +585,6 @@ def shm_files(pid: int) -> set[str]:
     return {f.removesuffix(" (deleted)") for f in found}
 
 
-def tiny_model(path: Path) -> str:
-    """A tiny random Qwen3 (4 heads, 2 KV heads, vocab 1001) with the default model's tokenizer."""
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1001,
-                      max_position_embeddings=4096, initializer_range=0.2)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(default_model_dir(), name), path)
-    return str(path)
-
-
 def descendants(pid: int) -> list[int]:
     children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [d for c in map(int, children.split()) for d in (c, *descendants(c))]
@@ -612,10 +598,10 @@ def replica_pids(server: Server) -> list[int]:
 
 # the slow tail (with the next): the module's server checks that SIGTERM exits 0 by default
 @pytest.mark.slow
-def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
+def test_a_killed_replica_fails_its_requests_at_once(tiny_qwen3):
     """A replica killed mid-request: its stream ends with an error event and its plain request
     with a 500, within a second; new requests get a 503, /health fails; SIGTERM still exits 0."""
-    server = start_server("--model", tiny_model(tmp_path), "--served-model-name", MODEL)
+    server = start_server("--model", tiny_qwen3, "--served-model-name", MODEL)
     try:
         [stream] = open_streams(server, 1)
         errors = {}
@@ -655,10 +641,10 @@ def test_a_killed_replica_fails_its_requests_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_headless_replica_connects_over_tcp(tmp_path):
+def test_a_headless_replica_connects_over_tcp(tiny_qwen3, tmp_path):
     """`--headless` runs one replica on its own; the API server (one replica of its own, two in
     all) waits for it at its TCP port, routes to both, and stops both on SIGTERM."""
-    model, port, keys = tiny_model(tmp_path), free_port(), tmp_path / "keys.json"
+    model, port, keys = tiny_qwen3, free_port(), tmp_path / "keys.json"
     dp = ["--data-parallel-size", "2", "--data-parallel-rpc-port", str(port),
           "--data-parallel-keys", str(keys)]
     started = []
@@ -694,13 +680,13 @@ def ray_actor_pids() -> list[int]:
 
 # the slow tail: a Ray cluster's start; the wire and keys it uses are the default tests' (above)
 @pytest.mark.slow
-def test_replicas_on_a_ray_cluster(tmp_path):
+def test_replicas_on_a_ray_cluster(tiny_qwen3):
     """`--data-parallel-backend ray`: the server starts a local Ray cluster and two replicas as
     actors in its placement group; requests go to both. A killed actor's stream fails at once (a
     5xx error event within 10 s), the other replica's stream runs on, and Ray's restart brings
     the replica back: the server routes to it again, and SIGTERM still exits 0."""
     pytest.importorskip("ray")
-    server = start_server("--model", tiny_model(tmp_path), "--served-model-name", MODEL,
+    server = start_server("--model", tiny_qwen3, "--served-model-name", MODEL,
                           "--data-parallel-size", "2", "--data-parallel-backend", "ray")
     try:
         streams = streams_on_each_replica(server, 1)
@@ -732,9 +718,9 @@ def test_replicas_on_a_ray_cluster(tmp_path):
 
 
 @pytest.fixture
-def tp_server(tmp_path):
+def tp_server(tiny_qwen3):
     """The tiny Qwen3 served by two tensor-parallel ranks: they talk through shared memory."""
-    server = start_server("--model", tiny_model(tmp_path), "--served-model-name", MODEL,
+    server = start_server("--model", tiny_qwen3, "--served-model-name", MODEL,
                           "--tensor-parallel-size", "2")
     yield server
     stop_server(server)
