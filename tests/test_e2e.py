@@ -339,8 +339,6 @@ def test_fp8_kv_cache_stays_close(model_dir, prompts, hf_model, hf_outputs):
 FP8_FORCED_AGREEMENT = 0.9  # share of positions where the fp8 cache's top token is transformers'
 
 
-# the slow tail: test_fp8_prefill_reads_what_the_cache_holds checks the fp8 path by default
-@pytest.mark.slow
 def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_model, hf_outputs):
     """Every position of transformers' greedy outputs asked of the fp8 cache as a one-token
     request (prefix-cache hits: every key read back from the cache, as decode reads it): its top
