@@ -232,6 +232,52 @@ def test_stop_strings(server):
     assert offsets == whole.logprobs.text_offset and offsets[1] == len(whole.logprobs.tokens[0])
 
 
+SAMPLED = dict(model=MODEL, temperature=1.0, max_tokens=8, seed=7, extra_body={"ignore_eos": True})
+
+
+def test_n_samples_share_the_prompt_streamed_or_not(server, tokenizer):
+    client = server.client()
+    prompt = ("Write a short story about a lighthouse keeper who finds a message in a bottle, "
+              "and give the story a title of its own.")  # 26 tokens: one full block
+    one = client.completions.create(prompt=prompt, **SAMPLED)
+    hits = server.metrics()["nanoserve_prefix_cache_hit_tokens_total"]
+    three = client.completions.create(prompt=prompt, n=3, **SAMPLED)
+    texts = [c.text for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2] and texts[0] == one.choices[0].text
+    assert len(set(texts)) == 3  # seeded by (seed, i): three draws, sample 0 the n=1 answer
+    assert three.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert three.usage.completion_tokens == 3 * 8
+    # one replica holds the three: two hit the full blocks the first registered
+    full_blocks = three.usage.prompt_tokens // 16 * 16
+    assert server.metrics()["nanoserve_prefix_cache_hit_tokens_total"] >= hits + 2 * full_blocks
+    assert [c.text for c in client.completions.create(prompt=prompt, n=3, **SAMPLED).choices] == (
+        texts)  # seeded: the same three again
+    chunks = list(client.completions.create(prompt=prompt, n=3, stream=True, **SAMPLED,
+                                            stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts and chunks[-1].usage.completion_tokens == 3 * 8
+    greedy = client.chat.completions.create(messages=QUESTION, n=2, **GREEDY)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    chat = client.chat.completions.create(messages=QUESTION, n=2, **SAMPLED)
+    chunks = list(client.chat.completions.create(messages=QUESTION, n=2, stream=True, **SAMPLED))
+    assert [(c.index, c.delta.role) for c in chunks[0].choices] == [(0, "assistant"),
+                                                                    (1, "assistant")]
+    assert ["".join(c.choices[0].delta.content or "" for c in chunks[1:]
+                    if c.choices[0].index == i) for i in range(2)] == [
+        c.message.content for c in chat.choices]
+
+
+def test_best_of_answers_with_the_likeliest_samples(server):
+    client = server.client()
+    three = client.completions.create(prompt=PROMPT, n=3, logprobs=0, **SAMPLED).choices
+    likeliest = sorted(three, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(prompt=PROMPT, n=2, best_of=3, **SAMPLED)
+    assert [c.text for c in best.choices] == [c.text for c in likeliest[:2]]
+    assert best.choices[0].logprobs is None  # ranked by logprobs it was not asked for
+    assert best.usage.completion_tokens == 3 * 8  # every sample ran
+
+
 def test_logprobs(server, tokenizer):
     client = server.client()
     out = client.completions.create(prompt=PROMPT, logprobs=3, **GREEDY).choices[0]
@@ -341,8 +387,13 @@ BAD_REQUESTS = [  # the request, the error the client raises, words of the messa
      "invalid_value"),
     (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL, "model", "model_not_found"),
     # fields nanoserve does not implement: refused, not served as if they were not there
-    (dict(prompt=PROMPT, n=2), openai.BadRequestError, "n 2 is not supported", "n",
-     "unsupported_parameter"),
+    (dict(prompt=PROMPT, n=0), openai.BadRequestError, "n must be", "n", "invalid_value"),
+    (dict(prompt=PROMPT, n=2, best_of=1), openai.BadRequestError, ">= n=2", "best_of",
+     "invalid_value"),
+    (dict(prompt=PROMPT, best_of=2, stream=True), openai.BadRequestError, "cannot be streamed",
+     "best_of", "invalid_value"),
+    (dict(prompt=PROMPT, extra_body={"use_beam_search": True}), openai.BadRequestError,
+     "use_beam_search", "use_beam_search", "unsupported_parameter"),
     (dict(prompt=PROMPT, presence_penalty=0.5), openai.BadRequestError, "presence_penalty 0.5",
      "presence_penalty", "unsupported_parameter"),
     (dict(prompt=PROMPT, logit_bias={"5": 10}), openai.BadRequestError, "leave it out",
@@ -470,7 +521,7 @@ def wait_until_idle(server: Server, aborted_before: float) -> dict[str, float]:
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_the_request(server, stream):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
-            "stream": stream}
+            "stream": stream, "n": 2}  # both samples end
     headers = {"Authorization": f"Bearer {API_KEY}"}
     aborted = server.metrics()["nanoserve_num_aborted_requests_total"]
     if stream:  # read three events, then hang up

@@ -16,12 +16,10 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from nanoserve.config import SamplingParams
 from nanoserve.server import protocol
 from nanoserve.server.engine_client import EngineClient, RequestStream
 from nanoserve.server.protocol import Delta, OpenAIError
@@ -58,19 +56,17 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
 
     @v1.get("/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
-                "max_model_len": client.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                "owned_by": "nanoserve", "max_model_len": client.max_model_len}]}
 
     @v1.post("/completions", responses=protocol.STREAMS)
     async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
         check_model(body.model, model_name)
         max_tokens = protocol.COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = body.sampling_params(max_tokens, body.logprobs)
-        stream = await submit(client, body.single_prompt(), params, body)
+        stream = await submit(client, body, body.single_prompt(), max_tokens, body.logprobs)
         head = protocol.ResponseHead("completion", model_name)
-        reply = Completion(head, client.tokenizer, body.logprobs)
-        return await respond(reply, stream, body, request)
+        return await respond(Completion(head, client.tokenizer, body.logprobs), stream, body,
+                             request)
 
     @v1.post("/chat/completions", responses=protocol.STREAMS)
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request) -> Response:
@@ -78,9 +74,10 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
         prompt = chat_prompt(client.tokenizer, body)
         limit = body.max_tokens if body.max_completion_tokens is None else (
             body.max_completion_tokens)
-        max_tokens = room_left(client.max_model_len, prompt) if limit is None else limit
-        logprobs = body.engine_logprobs()
-        stream = await submit(client, prompt, body.sampling_params(max_tokens, logprobs), body)
+        # default: what the context has left (at least 1: a full one is the engine's refusal)
+        max_tokens = max(1, client.max_model_len - len(prompt)) if limit is None else limit
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None  # the engine's k
+        stream = await submit(client, body, prompt, max_tokens, logprobs)
         chat = ChatCompletion(protocol.ResponseHead("chat", model_name), client.tokenizer, logprobs)
         return await respond(chat, stream, body, request)
 
@@ -90,13 +87,11 @@ def openai_routes(client: EngineClient, model_name: str, api_key: str | None) ->
 # ---- errors ------------------------------------------------------------------------------------
 def add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's shape, FastAPI's own (404, 405, 422) included."""
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+    @app.exception_handler(OpenAIError)  # and ValueError: the engine's refusals name the fix
+    @app.exception_handler(ValueError)
+    async def openai_error(request: Request, e: OpenAIError | ValueError) -> JSONResponse:
+        e = e if isinstance(e, OpenAIError) else OpenAIError(400, str(e))
         return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(ValueError)  # the engine's and SamplingParams' refusals name the fix
-    async def value_error(request: Request, e: ValueError) -> JSONResponse:
-        return JSONResponse(OpenAIError(400, str(e)).body(), status_code=400)
 
     @app.exception_handler(RequestValidationError)  # malformed JSON, missing or mistyped fields
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -104,11 +99,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)  # routing: no such route, or wrong method
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        routes = ", ".join(f"{method} {route.path}" for route in app.routes
-                           if isinstance(route, APIRoute) for method in route.methods)
         code = {404: "unknown_url", 405: "method_not_allowed"}.get(e.status_code)
         error = OpenAIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}; "
-                                           f"the routes are {routes}", None, code)
+                                           "GET /openapi.json lists the routes", None, code)
         return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)  # a bug: still a body an OpenAI client can read
@@ -152,72 +145,58 @@ def check_model(asked: str, served: str) -> None:
 def chat_prompt(tokenizer: PreTrainedTokenizerBase,
                 body: protocol.ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, ending where the assistant's turn starts."""
-    if not body.messages:
-        raise OpenAIError(400, "messages is empty: send at least one {'role': 'user', "
-                               "'content': ...}", "messages", "invalid_value")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                          return_dict=False)
 
 
-async def submit(client: EngineClient, prompt: str | list[int], params: SamplingParams,
-                 body: protocol.SamplingRequest) -> RequestStream:
-    """The request, tokenized, into a replica; the engine's refusal of the prompt (empty, outside
-    the vocabulary, past max_model_len) is a 400 that blames the prompt's field."""
+async def submit(client: EngineClient, body: protocol.SamplingRequest, prompt: str | list[int],
+                 max_tokens: int, logprobs: int | None) -> RequestStream:
+    """The request's samples (each with its SamplingParams), tokenized, into a replica; the
+    engine's refusal of the prompt (empty, outside the vocabulary, past max_model_len) is a 400
+    that blames the prompt's field."""
+    samples = body.sampling_params(max_tokens, logprobs)
     if isinstance(prompt, str):
         prompt = client.tokenizer.encode(prompt)
     try:
-        return await client.submit(prompt, params)
+        return await client.submit(prompt, samples)
     except ValueError as e:  # a prompt too long for the context gets OpenAI's code for it
         code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
         raise OpenAIError(400, str(e), body.prompt_param, code) from e
 
 
-def room_left(max_model_len: int, prompt: list[int]) -> int:
-    """Chat's default max_tokens: whatever the context has left after the prompt."""
-    room = max_model_len - len(prompt)
-    if room < 1:
-        raise OpenAIError(400, f"the conversation is {len(prompt)} tokens, which fills "
-                               f"max_model_len={max_model_len}: shorten it",
-                          "messages", "context_length_exceeded")
-    return room
-
-
 # ---- responses -----------------------------------------------------------------------------------
 class Completion:
-    """/v1/completions: a choice is {"text", "logprobs", "finish_reason"}."""
+    """/v1/completions: a choice is {"index", "text", "logprobs", "finish_reason"}."""
 
     def __init__(self, head: protocol.ResponseHead, tokenizer: PreTrainedTokenizerBase,
                  logprobs: int | None) -> None:
         self.head, self.tokenizer, self.k = head, tokenizer, logprobs
-        self.text_offset = 0  # the sent tokens' characters: the next token's text_offset
+        self.text_offset = {}  # by choice: the sent tokens' characters, the next token's offset
 
-    def choice(self, delta: Delta, chunk: bool) -> dict:
-        logprobs = None
+    def choice(self, index: int, delta: Delta, chunk: bool) -> dict:
+        logprobs, offset = None, self.text_offset.get(index, 0)
         if self.k is not None and delta.logprobs is not None:
-            logprobs = protocol.completion_logprobs(self.tokenizer, delta, self.k, self.text_offset)
-            self.text_offset += sum(map(len, logprobs["tokens"]))  # not the text: stops hold it
-        return {"index": 0, "text": delta.text, "logprobs": logprobs,
+            logprobs = protocol.completion_logprobs(self.tokenizer, delta, self.k, offset)
+            self.text_offset[index] = offset + sum(map(len, logprobs["tokens"]))  # stops cut text
+        return {"index": index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
-
-    def first_chunk(self) -> dict | None:
-        """None: a completion stream opens with its first delta."""
 
 
 class ChatCompletion(Completion):
     """/v1/chat/completions: a choice holds a "message" (or, in a stream, a "delta")."""
 
-    def choice(self, delta: Delta, chunk: bool) -> dict:
+    def choice(self, index: int, delta: Delta, chunk: bool) -> dict:
         wanted = self.k is not None and delta.logprobs is not None
         logprobs = protocol.chat_logprobs(self.tokenizer, delta, self.k) if wanted else None
         message = {"content": delta.text} if chunk else {"role": "assistant", "content": delta.text}
-        return {"index": 0, "delta" if chunk else "message": message, "logprobs": logprobs,
+        return {"index": index, "delta" if chunk else "message": message, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
 
-    def first_chunk(self) -> dict | None:  # OpenAI opens a chat stream with the role alone
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}
-        return self.head.wrap([choice], chunk=True)
+    def first_chunk(self, n: int) -> dict:  # OpenAI opens a chat stream with the role alone
+        return self.head.wrap([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None} for i in range(n)],
+                              chunk=True)
 
 
 async def respond(shape: Completion, stream: RequestStream, body: protocol.SamplingRequest,
@@ -225,30 +204,34 @@ async def respond(shape: Completion, stream: RequestStream, body: protocol.Sampl
     if body.stream:
         options = body.stream_options or protocol.StreamOptions()
         return StreamingResponse(sse(shape, stream, options), media_type="text/event-stream")
-    total = await until_disconnect(gather(stream), request)
-    if total is None:
+    totals = await until_disconnect(gather(stream), request)
+    if totals is None:
         return Response(status_code=499)  # nginx's status for a client that left: nobody reads it
-    return JSONResponse(shape.head.wrap([shape.choice(total, chunk=False)], total.usage()))
+    chosen = totals if body.best_of is None else sorted(  # the n likeliest, likeliest first
+        totals, key=lambda d: -sum(lp[t] for lp, t in zip(d.logprobs, d.token_ids)))[:body.n]
+    choices = [shape.choice(i, total, chunk=False) for i, total in enumerate(chosen)]
+    return JSONResponse(shape.head.wrap(choices, protocol.usage(totals)))
 
 
 async def sse(shape: Completion, stream: RequestStream,
               options: protocol.StreamOptions) -> AsyncIterator[str]:
-    """Server-sent events: one `data:` line per delta. A client that leaves cancels this
-    generator (Starlette watches the socket), and leaving RequestStream aborts the request. A
-    replica that goes down ends the stream with an `error` event (the status went out already)."""
-    if (first := shape.first_chunk()) is not None:
-        yield event(first)
-    last = Delta()
+    """Server-sent events: one `data:` line per delta of a sample. A client that leaves cancels
+    this generator (Starlette watches the socket), and leaving RequestStream aborts the request.
+    A replica that goes down ends the stream with an `error` event (the status went out
+    already)."""
+    if isinstance(shape, ChatCompletion):  # a completion stream opens with its first delta
+        yield event(shape.first_chunk(len(stream.requests)))
+    last = [Delta() for _ in stream.requests]
     try:
-        async for delta in stream:  # its counts are the request's so far
-            usage = delta.usage() if options.continuous_usage_stats else None
-            yield event(shape.head.wrap([shape.choice(delta, chunk=True)], usage, chunk=True))
-            last = delta
+        async for i, delta in stream:  # its counts are sample i's so far
+            last[i] = delta
+            usage = protocol.usage(last) if options.continuous_usage_stats else None
+            yield event(shape.head.wrap([shape.choice(i, delta, chunk=True)], usage, chunk=True))
     except OpenAIError as e:
         yield event(e.body())
         return
     if options.include_usage:
-        yield event(shape.head.wrap([], last.usage(), chunk=True))
+        yield event(shape.head.wrap([], protocol.usage(last), chunk=True))
     yield "data: [DONE]\n\n"
 
 
@@ -256,18 +239,18 @@ def event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-async def gather(stream: RequestStream) -> Delta:
-    total = Delta()
-    async for delta in stream:
-        total.add(delta)
-    return total
+async def gather(stream: RequestStream) -> list[Delta]:
+    totals = [Delta() for _ in stream.requests]
+    async for i, delta in stream:
+        totals[i].add(delta)
+    return totals
 
 
-async def until_disconnect(work: Awaitable[Delta], request: Request) -> Delta | None:
+async def until_disconnect(work: Awaitable[list[Delta]],
+                           request: Request) -> list[Delta] | None:
     """work's result, or None if the client disconnects first (work is then cancelled, which
     aborts its request): a plain response has no stream whose writes would notice."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(wait_disconnect(request))
+    work_task, watch_task = map(asyncio.ensure_future, (work, wait_disconnect(request)))
     try:
         await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
         return work_task.result() if work_task.done() else None

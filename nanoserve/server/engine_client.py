@@ -40,9 +40,11 @@ class Request:
     id: int
     replica: "Replica"
     text: TextStream  # the detokenizer (a StopStringStream with stop strings)
-    added: asyncio.Future  # the prompt's token count once a replica took it, or its refusal
-    # RequestOutputs, or an OpenAIError last if its replica went down (or the server stopped)
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # RequestOutputs, or an OpenAIError last if its replica went down (or the server stopped);
+    # the samples of one client request share it
+    outputs: asyncio.Queue
+    # the prompt's token count once a replica took it, or its refusal
+    added: asyncio.Future = field(default_factory=asyncio.Future)
     arrival: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)  # the output tokens so far
     last_token: float | None = None  # when the last output arrived (TTFT, then ITL)
@@ -112,26 +114,32 @@ class EngineClient:
         self.context.term()
 
     # ---- requests -------------------------------------------------------------------------------
-    async def submit(self, prompt: list[int], params: SamplingParams) -> "RequestStream":
-        """Send a request to the least-loaded replica; raise the engine's ValueError if it refuses
-        the prompt, OpenAIError(503) if no replica is up."""
+    async def submit(self, prompt: list[int], samples: list[SamplingParams]) -> "RequestStream":
+        """Send a request's samples (one SamplingParams each) to the least-loaded replica, where
+        they share the prompt's blocks; raise the engine's ValueError if it refuses the prompt,
+        OpenAIError(503) if no replica is up."""
         up = [r for r in self.replicas if r.up]
         if self.stopping or not up:
             raise OpenAIError(503, "no engine replica is up (see GET /health): retry later")
-        replica = min(up, key=Replica.score)
-        stop = params.stop
-        text = (extension("stop_strings").StopStringStream(self.tokenizer, stop, streamed=True)
-                if stop else TextStream(self.tokenizer, streamed=True))
-        request = Request(next(self.ids), replica, text, asyncio.get_running_loop().create_future())
+        replica, outputs = min(up, key=Replica.score), asyncio.Queue()
+        requests = [self._add(replica, prompt, params, outputs) for params in samples]
+        try:
+            await asyncio.gather(*(r.added for r in requests))
+        except BaseException:  # refused (one prompt: every sample), or the client left first
+            for request in requests:
+                self.abort(request)
+            raise
+        return RequestStream(self, requests)
+
+    def _add(self, replica: Replica, prompt: list[int], params: SamplingParams,
+             outputs: asyncio.Queue) -> Request:
+        text = (extension("stop_strings").StopStringStream(self.tokenizer, params.stop,
+                streamed=True) if params.stop else TextStream(self.tokenizer, streamed=True))
+        request = Request(next(self.ids), replica, text, outputs)
         replica.requests[request.id] = request
         replica.num_unseen += 1
         self._send(replica, wire.add(request.id, prompt, replace(params, stop=())))
-        try:
-            num_prompt_tokens = await request.added
-        except asyncio.CancelledError:  # the client left before the replica took it
-            self.abort(request)
-            raise
-        return RequestStream(self, request, num_prompt_tokens)
+        return request
 
     def abort(self, request: Request) -> None:
         """End a request whose client left: its replica frees its blocks before its next step."""
@@ -192,13 +200,10 @@ class EngineClient:
                     self._send(replica, wire.Abort(request.id))
                 out.finish_reason = "stop"
             out.text = request.text.delta(out.finish_reason is not None)
-            first = request.last_token is None
-            self.metrics.observe_output(out, now - (request.last_token or request.arrival), first)
+            self.metrics.observe_output(out, now, request.arrival, request.last_token)
             request.last_token = now
             if out.finish_reason is not None:
                 del replica.requests[out.request_id]
-                self.metrics.num_finished.labels(finished_reason=out.finish_reason).inc()
-                self.metrics.e2e.observe(now - request.arrival)
             request.outputs.put_nowait(out)
         if outputs:
             self.metrics.step_size.observe(len(outputs))
@@ -230,28 +235,30 @@ class EngineClient:
 
 
 class RequestStream:
-    """A handler's view of its request: `async for delta in stream` until it finishes."""
+    """A handler's view of its request's samples: `async for i, delta in stream`, sample i's new
+    output, until every sample has finished."""
 
-    def __init__(self, client: EngineClient, request: Request, num_prompt_tokens: int) -> None:
-        self.client, self.request, self.num_prompt_tokens = client, request, num_prompt_tokens
-        self.finished = False
+    def __init__(self, client: EngineClient, requests: list[Request]) -> None:
+        self.client, self.requests = client, requests
+        self.unfinished = {r.id: i for i, r in enumerate(requests)}  # request id -> sample index
 
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        outputs = self.request.outputs
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Delta]]:
+        outputs = self.requests[0].outputs  # the samples' one queue
         try:
-            while not self.finished:
-                delta = Delta(num_prompt_tokens=self.num_prompt_tokens)
-                out = await outputs.get()
-                # a reader that fell behind takes everything waiting as one delta (one event)
-                while isinstance(out, RequestOutput):
-                    delta.add(out)
-                    if delta.finish_reason is not None or outputs.empty():
-                        break
-                    out = outputs.get_nowait()
-                if isinstance(out, OpenAIError):  # its replica went down (and forgot it)
-                    raise out
-                self.finished = delta.finish_reason is not None
-                yield delta
-        finally:
-            if not self.finished:  # the handler left early: its client went away
-                self.client.abort(self.request)
+            while self.unfinished:
+                # a reader that fell behind takes everything waiting: one delta (event) a sample
+                waiting, deltas = [await outputs.get()], {}  # deltas by request id
+                waiting += [outputs.get_nowait() for _ in range(outputs.qsize())]
+                for out in waiting:
+                    if isinstance(out, OpenAIError):  # the replica went down (and forgot them)
+                        raise out
+                    deltas.setdefault(out.request_id, Delta()).add(out)  # counts: the last's
+                for request_id, delta in deltas.items():
+                    index = self.unfinished[request_id]
+                    if delta.finish_reason is not None:
+                        del self.unfinished[request_id]
+                    yield index, delta
+        finally:  # the handler left early: its client went away
+            for request in self.requests:
+                if request.id in self.unfinished:
+                    self.client.abort(request)

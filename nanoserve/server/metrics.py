@@ -58,16 +58,18 @@ class Metrics:
         loads["total"] = {key: sum(load.get(key, 0) for load in loads.values())
                           for key in set().union(*loads.values())}
         for label, load in loads.items():
-            load["usage"] = 1 - load.get("num_free_blocks", 0) / load.get("num_blocks", 0) if (
-                load.get("num_blocks")) else 0
+            num_blocks = load.get("num_blocks", 0)
+            load["usage"] = (num_blocks - load.get("num_free_blocks", 0)) / max(num_blocks, 1)
             for name, (_, key) in GAUGES.items():
                 self.gauges[name].labels(label).set(load.get(key or name, 0))
 
-    def observe_output(self, out: RequestOutput, seconds: float, first: bool) -> None:
-        """One request's output of a step: seconds since its arrival (first) or last output; a
-        last output (wire.FinalOutput) brings its speculative decoding's counts."""
-        num_tokens = len(out.token_ids)
-        if first:
+    def observe_output(self, out: RequestOutput, now: float, arrival: float,
+                       last_token: float | None) -> None:
+        """One request's output of a step, at `now`: the time since its arrival (the first) or
+        its last output; a last output (wire.FinalOutput) also brings its speculative decoding's
+        counts."""
+        num_tokens, seconds = len(out.token_ids), now - (last_token or arrival)
+        if last_token is None:
             self.ttft.observe(seconds)
             self.prompt_tokens.inc(out.num_prompt_tokens)
             self.prefix_hit_tokens.inc(out.num_cached_tokens)
@@ -75,8 +77,11 @@ class Metrics:
             for _ in range(num_tokens):  # a step that brought several tokens spreads its time
                 self.itl.observe(seconds / num_tokens)
         self.generation_tokens.inc(num_tokens)
-        for name in SPEC_COUNTERS if out.finish_reason else ():  # speculation's, on a last one
-            self.spec[name].inc(getattr(out, name, None) or 0)
+        if out.finish_reason is not None:
+            self.num_finished.labels(finished_reason=out.finish_reason).inc()
+            self.e2e.observe(now - arrival)
+            for name in SPEC_COUNTERS:  # speculation's
+                self.spec[name].inc(getattr(out, name, None) or 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.config import SamplingParams, extension
@@ -61,8 +61,8 @@ class Strict(BaseModel):
 # OpenAI's and vLLM's fields that change the output and that nanoserve does not implement (tool
 # calls among them), with their no-op values: any other value is a 400, not a request served as if
 # the field were absent
-UNSUPPORTED = dict(n=1, best_of=1, presence_penalty=0, frequency_penalty=0, repetition_penalty=1,
-                   min_p=0, logit_bias={}, use_beam_search=False, tools=[], tool_choice="none")
+UNSUPPORTED = dict(presence_penalty=0, frequency_penalty=0, repetition_penalty=1, min_p=0,
+                   logit_bias={}, use_beam_search=False, tools=[], tool_choice="none")
 
 
 class StreamOptions(Strict):
@@ -80,6 +80,8 @@ class SamplingRequest(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = 1  # samples of the prompt, the choices of the answer
+    best_of: int | None = None  # run this many and answer with the n likeliest (not streamed)
     # vLLM's extras
     top_k: int | None = None  # 0 or -1: off
     ignore_eos: bool = False
@@ -93,21 +95,26 @@ class SamplingRequest(Strict):
     guided_grammar: str | None = None
     prompt_param: ClassVar[str] = "prompt"  # the field an engine refusal of the prompt blames
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; a bad value is a 400 whose `param` names its field."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        """The engine's SamplingParams of each sample to run (samples.sample_params); a bad value
+        is a 400 whose `param` names its field."""
         for name, no_op in UNSUPPORTED.items():
             if (value := self.model_extra.get(name)) not in (no_op, None):
                 raise OpenAIError(400, f"{name} {value!r:.40} is not supported: leave it out or "
                                        f"send {no_op!r}", name, "unsupported_parameter")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise OpenAIError(400, "best_of > n cannot be streamed: which samples are the "
+                                   "likeliest is known at their end", "best_of", "invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         try:
-            return SamplingParams(
+            return extension("samples").sample_params(SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k,
                 max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids or [], seed=self.seed, stop=stop,
-                logprobs=logprobs, guided_decoding=self.guided_decoding())
+                logprobs=logprobs, guided_decoding=self.guided_decoding(), n=self.n,
+                best_of=self.best_of))
         except ValueError as e:  # SamplingParams' checks name the field first
             # the SamplingParams field the refusal starts with ("temperature must be ..."), if any
             name = next((f.name for f in fields(SamplingParams)
@@ -177,15 +184,12 @@ class ChatMessage(Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)  # an empty list: a 400
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: how many likeliest tokens per position
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
 
     prompt_param: ClassVar[str] = "messages"
-
-    def engine_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
 
     def param_name(self, name: str | None) -> str | None:
         # chat's k is top_logprobs; its max_tokens may come as OpenAI's newer name
@@ -219,18 +223,22 @@ class Delta:
         if (drafts := getattr(out, "num_draft_tokens", None)) is not None:
             self.num_draft_tokens, self.num_accepted_tokens = drafts, out.num_accepted_tokens
 
-    def usage(self) -> dict:
-        """OpenAI's usage; with speculative decoding also its draft tokens, in the fields OpenAI
-        gives a prediction's tokens (accepted_prediction_tokens, rejected_prediction_tokens)."""
-        usage = {"prompt_tokens": self.num_prompt_tokens,
-                 "completion_tokens": self.num_output_tokens,
-                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
-                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
-        if self.num_draft_tokens is not None:
-            usage["completion_tokens_details"] = {
-                "accepted_prediction_tokens": self.num_accepted_tokens,
-                "rejected_prediction_tokens": self.num_draft_tokens - self.num_accepted_tokens}
-        return usage
+
+def usage(samples: list[Delta]) -> dict:
+    """OpenAI's usage of a request's samples (each one's counts so far): the prompt once, every
+    sample's output; with speculative decoding also the draft tokens, in the fields OpenAI gives a
+    prediction's tokens (accepted_prediction_tokens, rejected_prediction_tokens)."""
+    started = max(samples, key=lambda d: d.num_prompt_tokens)  # one that has output (the prompt)
+    num_prompt, num_output = started.num_prompt_tokens, sum(d.num_output_tokens for d in samples)
+    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+             "total_tokens": num_prompt + num_output,
+             "prompt_tokens_details": {"cached_tokens": started.num_cached_tokens}}
+    if drafted := [d for d in samples if d.num_draft_tokens is not None]:
+        accepted = sum(d.num_accepted_tokens for d in drafted)
+        rejected = sum(d.num_draft_tokens for d in drafted) - accepted
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": rejected}
+    return usage
 
 
 class ResponseHead:
