@@ -388,6 +388,8 @@ BAD_REQUESTS = [  # the request, the error the client raises, words of the messa
     (dict(prompt=PROMPT, model="gpt-4"), openai.NotFoundError, MODEL, "model", "model_not_found"),
     # fields nanoserve does not implement: refused, not served as if they were not there
     (dict(prompt=PROMPT, n=0), openai.BadRequestError, "n must be", "n", "invalid_value"),
+    (dict(prompt=PROMPT, n=129), openai.BadRequestError, "less than or equal to 128", "n",
+     "invalid_type"),
     (dict(prompt=PROMPT, n=2, best_of=1), openai.BadRequestError, ">= n=2", "best_of",
      "invalid_value"),
     (dict(prompt=PROMPT, best_of=2, stream=True), openai.BadRequestError, "cannot be streamed",
@@ -442,6 +444,8 @@ def test_bad_input_gets_an_openai_error(server):
     no_ops = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, extra_body={
         "repetition_penalty": 1, "min_p": None, "best_of": 1, "use_beam_search": False})
     assert client.completions.create(prompt=PROMPT, **no_ops, **GREEDY).choices[0].text
+    three = {**GREEDY, "max_tokens": 3.0, "n": 1.0}  # integers, as JSON Schema counts them
+    assert client.completions.create(prompt=PROMPT, **three).usage.completion_tokens == 3
     weather = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
     for refused, param in ((dict(frequency_penalty=1), "frequency_penalty"),  # chat refuses them
                            (dict(tools=weather), "tools"),  # no tool is ever called

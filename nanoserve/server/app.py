@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
@@ -44,7 +44,7 @@ def build_app(client: EngineClient, model_name: str, api_key: str | None = None)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(client.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_routes(client, model_name, api_key))
     return app

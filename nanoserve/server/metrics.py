@@ -8,7 +8,7 @@ so two servers in one process (tests) do not clash. Names follow vLLM's (`vllm:`
 """
 from functools import partial
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nanoserve.llm_engine import RequestOutput
 
@@ -82,7 +82,4 @@ class Metrics:
             self.e2e.observe(now - arrival)
             for name in SPEC_COUNTERS:  # speculation's
                 self.spec[name].inc(getattr(out, name, None) or 0)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 

@@ -11,15 +11,16 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from nanoserve.config import SamplingParams, extension
 from nanoserve.llm_engine import RequestOutput
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
+MAX_SAMPLES = 128  # n and best_of at most (OpenAI's limit of n): one request is not a flood
 
 
 class OpenAIError(Exception):
@@ -65,6 +66,14 @@ UNSUPPORTED = dict(presence_penalty=0, frequency_penalty=0, repetition_penalty=1
                    logit_bias={}, use_beam_search=False, tools=[], tool_choice="none")
 
 
+def whole(value: object) -> object:
+    """3.0 as 3, an integer as JSON Schema counts it; "3" stays a string, which is refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(whole)]  # a request's integer field
+
+
 class StreamOptions(Strict):
     include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk as well
@@ -73,19 +82,20 @@ class StreamOptions(Strict):
 class SamplingRequest(Strict):
     """The fields /v1/completions and /v1/chat/completions share; None means the default."""
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1  # samples of the prompt, the choices of the answer
-    best_of: int | None = None  # run this many and answer with the n likeliest (not streamed)
+    n: Int = Field(1, le=MAX_SAMPLES)  # samples of the prompt, the choices of the answer
+    # run this many and answer with the n likeliest (not streamed)
+    best_of: Int | None = Field(None, le=MAX_SAMPLES)
     # vLLM's extras
-    top_k: int | None = None  # 0 or -1: off
+    top_k: Int | None = None  # 0 or -1: off
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     # guided decoding: OpenAI's response_format ({"type": "json_object"} or {"type":
     # "json_schema", "json_schema": {"name": ..., "schema": {...}}}), or one of vLLM's extras
     response_format: dict | None = None
@@ -153,8 +163,8 @@ class SamplingRequest(Strict):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # k: the sampled token's log-probability and the k likeliest
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    logprobs: Int | None = None  # k: the sampled token's log-probability and the k likeliest
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of the request (text or token ids): a batch of prompts is refused."""
@@ -186,8 +196,8 @@ class ChatMessage(Strict):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)  # an empty list: a 400
     logprobs: bool = False
-    top_logprobs: int | None = None  # with logprobs: how many likeliest tokens per position
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    top_logprobs: Int | None = None  # with logprobs: how many likeliest tokens per position
+    max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens
 
     prompt_param: ClassVar[str] = "messages"
 
