@@ -20,7 +20,6 @@ from nanoserve.config import SamplingParams, extension
 from nanoserve.llm_engine import RequestOutput
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
-MAX_SAMPLES = 128  # n and best_of at most (OpenAI's limit of n): one request is not a flood
 
 
 class OpenAIError(Exception):
@@ -72,6 +71,8 @@ def whole(value: object) -> object:
 
 
 Int = Annotated[int, BeforeValidator(whole)]  # a request's integer field
+# n and best_of: at most 128 (OpenAI's limit of n), so one request is not a flood
+NumSamples = Annotated[int, Field(le=128), BeforeValidator(whole)]
 
 
 class StreamOptions(Strict):
@@ -89,9 +90,8 @@ class SamplingRequest(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int = Field(1, le=MAX_SAMPLES)  # samples of the prompt, the choices of the answer
-    # run this many and answer with the n likeliest (not streamed)
-    best_of: Int | None = Field(None, le=MAX_SAMPLES)
+    n: NumSamples = 1  # samples of the prompt, the answer's choices
+    best_of: NumSamples | None = None  # run this many, answer with the n likeliest (not streamed)
     # vLLM's extras
     top_k: Int | None = None  # 0 or -1: off
     ignore_eos: bool = False
