@@ -199,3 +199,17 @@ def test_profile_steps_times_the_overlap_loops_own_halves(tmp_path: Path) -> Non
     assert len(decode) == 5  # the prefill samples the first of the 6 tokens
     assert any(r.get("schedule", 0) > 0 for r in decode)  # the overlap loop's _schedule_decode
     assert all(r["postprocess"] > 0 for r in decode)
+
+
+# the slow tail: the samples the tool times are tests/test_samples.py's
+@pytest.mark.slow
+def test_samples_bench_runs_both_modes_on_the_same_sequences(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """tools/samples_bench.py's smoke run (--tiny, on the CPU): n samples with shared blocks and
+    the same sequences as separate requests produce as many tokens each."""
+    samples_bench = pytest.importorskip("samples_bench")
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    shared, separate = (samples_bench.run_samples(mode, tiny=True)
+                        for mode in ("samples", "separate"))
+    assert shared["output_tokens"] == separate["output_tokens"] == 4 * 8 * 16
+    assert shared["tokens_per_s"] > 0 and separate["tokens_per_s"] > 0

@@ -1,0 +1,101 @@
+"""Speed of several answers to one prompt (extensions/samples.py), one mode per fresh process.
+
+    python tools/samples_bench.py samples   # 64 prompts x n = 8 samples x 256 tokens, shared blocks
+    python tools/samples_bench.py separate  # the same 512 sequences as separate requests, no cache
+    python tools/samples_bench.py beam      # beam search, beam_width 4, on the default model
+
+`samples` and `separate` run Qwen3-0.6B's shapes with random bf16 weights (bench.py's model) on the
+GPU, 1,000-token random prompts, temperature 1.0 and ignore_eos, after an untimed warm-up of the
+same shape; `beam` runs the default model's chat prompts (tests/test_e2e.QUESTIONS). Each prints one
+JSON line: the mode, output tokens, seconds and output tokens/s (beam: the tokens of every beam
+step, beam_width a prompt a step). --tiny runs on the CPU, smaller (a tiny random Qwen3 for the
+samples; 8-token beams): the smoke test of this script.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import QWEN3_0_6B, QWEN3_TINY  # noqa: E402
+from bench_utils import build_random_qwen3  # noqa: E402
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.extensions.samples import BeamSearchParams, sample_params  # noqa: E402
+from nanoserve.weights import default_model_dir  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain what a hash table is in one sentence.", "List three primary colors.",
+             "How many legs does a spider have?", "Give me a short tip for learning Python.",
+             "What is 12 times 12?", "Translate 'good morning' into Spanish."]
+
+
+def random_model(tiny: bool) -> str:
+    cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
+    if tiny:
+        return build_random_qwen3(cache / "qwen3-tiny-random", QWEN3_TINY, "cpu")
+    return build_random_qwen3(cache / "qwen3-0.6b-random", QWEN3_0_6B, "cuda")
+
+
+def run_samples(mode: str, tiny: bool) -> dict:
+    """n samples a prompt with prefix caching (`samples`), or as many separate requests without
+    it (`separate`): the same sequences, the same seeds, timed after a warm-up."""
+    num_prompts, n, prompt_len, max_tokens = (4, 8, 100, 16) if tiny else (64, 8, 1000, 256)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10_000) for _ in range(prompt_len)] for _ in range(num_prompts + 1)]
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0, n=n)
+    device = "cpu" if tiny else "cuda"
+    singles = sample_params(params)  # separate requests: one each, the samples' seeds
+
+    with LLM(random_model(tiny), device=device, enable_prefix_caching=mode == "samples") as llm:
+        def run(batch: list) -> None:
+            if mode == "samples":
+                llm.generate(batch, params, use_tqdm=False)
+            else:
+                llm.generate([p for p in batch for _ in singles], singles * len(batch),
+                             use_tqdm=False)
+        run(prompts[-1:])  # warm-up: one prompt's samples, untimed
+        start = time.perf_counter()
+        run(prompts[:num_prompts])
+        seconds = time.perf_counter() - start
+    tokens = num_prompts * n * max_tokens
+    return {"mode": mode, "sequences": num_prompts * n, "output_tokens": tokens,
+            "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def run_beam(tiny: bool) -> dict:
+    """Beam search, beam_width 4, 64 tokens at most, on the chat prompts; a prompt's search counts
+    beam_width tokens a step, for as many steps as its longest beam."""
+    width, max_tokens = 4, 8 if tiny else 64
+    with LLM(default_model_dir(), device="cpu" if tiny else "cuda") as llm:
+        chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                   add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False) for q in QUESTIONS]
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens)
+        llm.beam_search(chats[:1], BeamSearchParams(beam_width=width, max_tokens=4))  # warm-up
+        start = time.perf_counter()
+        beams = llm.beam_search(chats, params)
+        seconds = time.perf_counter() - start
+    tokens = width * sum(max(len(b["token_ids"]) for b in found) for found in beams)
+    return {"mode": "beam", "prompts": len(chats), "beam_width": width,
+            "output_tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["samples", "separate", "beam"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU")
+    args = parser.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("needs a GPU (or --tiny, the CPU smoke run)")
+    result = run_beam(args.tiny) if args.mode == "beam" else run_samples(args.mode, args.tiny)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
