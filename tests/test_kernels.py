@@ -280,8 +280,8 @@ def test_paged_decode_interpreted(group: int, Hkv: int, D: int, B: int) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("group, Hkv, D, B", DECODE_SHAPES)
-@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("group, Hkv, D, B, num_splits",  # each shape, each split count once
+                         [(*shape, n) for shape, n in zip(DECODE_SHAPES, [1, 3, None, 3])])
 def test_cascade_decode_interpreted(group: int, Hkv: int, D: int, B: int,
                                     num_splits: int | None) -> None:
     """The extension's split-KV kernels without a shared prefix."""
@@ -351,8 +351,7 @@ def test_paged_decode_fp8_interpreted(torch_fp8_casts: None, group: int, Hkv: in
 
 @interpreted
 @pytest.mark.parametrize("group, Hkv, D, B", [(2, 2, 128, 16), (3, 3, 64, 32)])
-@pytest.mark.parametrize("num_splits", [1, None])
-@pytest.mark.parametrize("prefix, busy", [(False, True), (True, False)])
+@pytest.mark.parametrize("num_splits, prefix, busy", [(1, False, True), (None, True, False)])
 def test_cascade_decode_fp8_interpreted(torch_fp8_casts: None, group: int, Hkv: int, D: int,
                                         B: int, num_splits: int | None, prefix: bool,
                                         busy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -381,9 +380,9 @@ def test_cascade_decode_fp8_interpreted(torch_fp8_casts: None, group: int, Hkv: 
 # num_splits 1: the own kernel folds the prefix partials in; None (2 splits on the interpreter's 8
 # "SMs"): the merge kernel combines them all.
 @interpreted
-@pytest.mark.parametrize("group, Hkv, D, num_common", [(1, 2, 64, 0), (2, 2, 128, 2),
-                                                       (4, 1, 64, 3), (1, 2, 64, 3)])
-@pytest.mark.parametrize("num_splits", [1, None])
+@pytest.mark.parametrize("group, Hkv, D, num_common, num_splits",  # P = 3 with either split
+                         [(1, 2, 64, 0, 1), (2, 2, 128, 2, None), (4, 1, 64, 3, 1),
+                          (1, 2, 64, 3, None)])
 def test_cascade_decode_prefix_interpreted(group: int, Hkv: int, D: int, num_common: int,
                                            num_splits: int | None) -> None:
     """A shared prefix passed as num_common_blocks: same result as plain paged decode, for any P
