@@ -883,8 +883,9 @@ def test_the_wire_decodes_its_own_types_only(tmp_path):
 def test_a_forged_message_runs_nothing_and_a_stranger_is_refused(server, tmp_path):
     """At the replicas' port: a peer without keys, one with keys of its own, and one with the
     replicas' keys but a pickle for a message: none makes the canary. Meanwhile a short soak
-    (tools/soak.py: bad requests, disconnects, stop strings, guided and seeded ones at once) gets
-    its kinds' answers, /health answers throughout, and every block is free after."""
+    (tools/soak.py: bad requests, disconnects, stop strings, guided, seeded and n = 3 requests at
+    once, every kind) gets its kinds' answers, /health answers throughout, and every block is
+    free after."""
     import pickle
 
     import msgspec

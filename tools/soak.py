@@ -4,12 +4,14 @@ Sends --requests completions (2,000) through HTTP with Poisson arrivals at --rat
 than a CPU engine serves, so the queue grows), each of one kind, drawn with a fixed seed:
   bad          10%: refused with a 4xx (max_tokens -1, an empty prompt, temperature "hot", another
                model's name)
-  disconnect   10%: streamed, and the client closes after the first chunk (the server aborts it)
+  disconnect   10%: streamed, one or two samples (n), and the client closes after the first chunk
+               (the server aborts every sample)
   stop         stop strings that end the text early
   guided       guided_choice ["yes", "no"]: the text is one of them
   seeded       temperature 0.8 with a seed
+  samples      10%: n = 3 samples at temperature 0.8 (seeded half the time): three choices
   plain        greedy or temperature 0.7
-half of the last four streamed. Meanwhile GET /health is polled every half second. Then, once the
+half of the last five streamed. Meanwhile GET /health is polled every half second. Then, once the
 server is idle, it checks what must hold: no request hung (each has --timeout seconds), every
 answer is its kind's (a 200 for a good request, a 4xx for a bad one; a guided text is one of its
 choices), /health answered 200 throughout, every replica's KV cache is free again (no request
@@ -38,7 +40,8 @@ from pathlib import Path
 
 import aiohttp
 
-KINDS = {"bad": 0.1, "disconnect": 0.1, "stop": 0.2, "guided": 0.15, "seeded": 0.2, "plain": 0.25}
+KINDS = {"bad": 0.1, "disconnect": 0.1, "stop": 0.2, "guided": 0.15, "seeded": 0.2, "samples": 0.1,
+         "plain": 0.15}
 BAD = ({"max_tokens": -1}, {"prompt": ""}, {"temperature": "hot"}, {"model": "no-such-model"})
 RSS_GROWTH = 1.10  # the resident memory after the soak may be at most this times the warm one
 
@@ -50,13 +53,15 @@ def request(kind: str, i: int, model: str, rng: random.Random) -> dict:
     if kind == "bad":
         body |= rng.choice(BAD)
     elif kind == "disconnect":
-        body |= {"stream": True, "max_tokens": 32}
+        body |= {"stream": True, "max_tokens": 32, "n": rng.choice([1, 2])}
     elif kind == "stop":
         body |= {"stop": [" the", "."], "temperature": 0.7}
     elif kind == "guided":  # room for either answer
         body |= {"guided_choice": ["yes", "no"], "max_tokens": 16}
     elif kind == "seeded":
         body |= {"temperature": 0.8, "seed": i}
+    elif kind == "samples":
+        body |= {"temperature": 0.8, "n": 3} | ({"seed": i} if rng.random() < 0.5 else {})
     elif rng.random() < 0.5:
         body["temperature"] = 0.7
     return body
@@ -82,11 +87,13 @@ async def exchange(session: aiohttp.ClientSession, url: str, kind: str, body: di
             response.close()
             return "disconnected"
         if not body["stream"]:
-            text = (await response.json())["choices"][0]["text"]
-        else:  # the chunks' texts; the last chunk (usage) has no choice
-            chunks = [json.loads(line[6:]) async for line in response.content
-                      if line.startswith(b"data: {")]
-            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            choices = (await response.json())["choices"]
+        else:  # the chunks' choices; the last chunk (usage) has none
+            choices = [choice async for line in response.content if line.startswith(b"data: {")
+                       for choice in json.loads(line[6:])["choices"]]
+        if {c["index"] for c in choices} != set(range(body.get("n", 1))):
+            return f"choices {sorted({c['index'] for c in choices})} for n={body.get('n', 1)}"
+        text = "".join(c["text"] for c in choices if c["index"] == 0)
         return "ok" if kind != "guided" or text in ("yes", "no") else f"guided text {text!r}"
 
 
@@ -130,7 +137,10 @@ async def soak(url: str, model: str, num_requests: int, rate: float, timeout: fl
                pid: int | None, api_key: str | None = None, seed: int = 0) -> dict:
     """Warm up, soak, wait for idle; the figures and each check's result."""
     rng = random.Random(seed)
-    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=num_requests)
+    # every kind at least once (a short soak too), the rest drawn by KINDS' shares
+    kinds = list(KINDS)[:num_requests] + rng.choices(list(KINDS), weights=list(KINDS.values()),
+                                                     k=max(0, num_requests - len(KINDS)))
+    rng.shuffle(kinds)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession(headers=headers) as session:
         warm = [send(session, url, "plain", request("plain", -i, model, rng), timeout)
