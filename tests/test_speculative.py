@@ -122,11 +122,10 @@ def test_seeded_and_greedy_outputs_are_the_same_on_and_off(model_dir, prompts, e
               len(chats))
     with LLM(model_dir, overlap_scheduling=False, **ON_GPU) as llm:
         off = token_ids(llm.generate(chats * 2, params, use_tqdm=False))
-    for k in (1, 8):  # one draft, and more than the default (4: the other tests here)
-        with LLM(model_dir, speculative_method="ngram", num_speculative_tokens=k,
-                 **ON_GPU) as llm:
-            on = token_ids(llm.generate(chats * 2, params, use_tqdm=False))
-        assert near_ties(on, off) == 0, f"num_speculative_tokens={k}"
+    # one draft a step: the other tests here run the default, 4
+    with LLM(model_dir, speculative_method="ngram", num_speculative_tokens=1, **ON_GPU) as llm:
+        on = token_ids(llm.generate(chats * 2, params, use_tqdm=False))
+    assert near_ties(on, off) == 0
 
 
 def chi_square_pvalue(table: list[list[int]]) -> float:
