@@ -189,7 +189,8 @@ def test_profile_steps_times_the_overlap_loops_own_halves(tmp_path: Path) -> Non
     from nanoserve.extensions.overlap import OverlapLoop
     profile_steps = pytest.importorskip("profile_steps")
     model_dir = build_random_qwen3(tmp_path / "tiny", QWEN3_TINY, "cpu")
-    with LLM(model_dir, max_model_len=256) as llm:
+    # on the CPU on every machine: a GPU would add its graphs' capture and compiles, not a check
+    with LLM(model_dir, device="cpu", max_model_len=256) as llm:
         assert isinstance(llm.loop, OverlapLoop)
         records = profile_steps.instrument(llm)
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
