@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
 import bench_utils  # noqa: E402
 
+# engines on the GPU that take most of its memory: in one pytest-xdist worker, one after another
+pytestmark = pytest.mark.xdist_group(name="gpu_memory")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,9 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.overlap import PENDING
 from nanoserve.extensions.stats import scheduler_stats
 
+# engines on the GPU that take most of its memory: in one pytest-xdist worker, one after another
+pytestmark = pytest.mark.xdist_group(name="gpu_memory")
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

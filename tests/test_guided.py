@@ -15,6 +15,10 @@ from transformers import AutoTokenizer
 from nanoserve import LLM, GuidedDecodingParams, SamplingParams
 from nanoserve.extensions.guided import parse
 
+# on a GPU its engine takes a share of the memory sized beside no other: in test_e2e's
+# pytest-xdist group, one engine after another
+pytestmark = pytest.mark.xdist_group(name="gpu_memory")
+
 # strings and numbers are bounded, so a small model cannot run on until max_tokens
 NAME, BOOL = {"type": "string", "minLength": 1, "maxLength": 20}, {"type": "boolean"}
 

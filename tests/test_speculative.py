@@ -17,6 +17,9 @@ from nanoserve.extensions import speculative
 from nanoserve.extensions.overlap import OverlapLoop
 from nanoserve.extensions.speculative import NgramIndex
 
+# engines on the GPU that take most of its memory: in one pytest-xdist worker, one after another
+pytestmark = pytest.mark.xdist_group(name="gpu_memory")
+
 # On a GPU, speculation keeps a request's tokens with batch_invariant=True (the README's claim):
 # every engine here runs with it there, and compares with the engine's own greedy tokens without
 # speculation, not transformers' float32 ones, from which bf16 parts at near-ties
