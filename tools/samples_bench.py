@@ -3,18 +3,22 @@
     python tools/samples_bench.py samples   # 64 prompts x n = 8 samples x 256 tokens, shared blocks
     python tools/samples_bench.py separate  # the same 512 sequences as separate requests, no cache
     python tools/samples_bench.py beam      # beam search, beam_width 4, on the default model
+    python tools/samples_bench.py all --runs 3  # each mode in 3 fresh processes, taking turns
 
 `samples` and `separate` run Qwen3-0.6B's shapes with random bf16 weights (bench.py's model) on the
 GPU, 1,000-token random prompts, temperature 1.0 and ignore_eos, after an untimed warm-up of the
 same shape; `beam` runs the default model's chat prompts (tests/test_e2e.QUESTIONS). Each prints one
 JSON line: the mode, output tokens, seconds and output tokens/s (beam: the tokens of every beam
-step, beam_width a prompt a step). --tiny runs on the CPU, smaller (a tiny random Qwen3 for the
+step, beam_width a prompt a step); `all` prints each run's line and then each mode's median
+tokens/s with the range. --tiny runs on the CPU, smaller (a tiny random Qwen3 for the
 samples; 8-token beams): the smoke test of this script.
 """
 import argparse
 import json
 import os
 import random
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +32,7 @@ from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.extensions.samples import BeamSearchParams, sample_params  # noqa: E402
 from nanoserve.weights import default_model_dir  # noqa: E402
 
+MODES = ("samples", "separate", "beam")
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain what a hash table is in one sentence.", "List three primary colors.",
              "How many legs does a spider have?", "Give me a short tip for learning Python.",
@@ -86,14 +91,33 @@ def run_beam(tiny: bool) -> dict:
             "tokens_per_s": round(tokens / seconds, 1)}
 
 
+def run_all(runs: int, tiny: bool) -> dict:
+    """Every mode `runs` times, each run a fresh process, the modes taking turns; per mode the
+    median tokens/s and the range."""
+    speeds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(runs):
+        for mode in MODES:
+            out = subprocess.run([sys.executable, __file__, mode] + ["--tiny"] * tiny,
+                                 capture_output=True, text=True, check=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            print(json.dumps(result), flush=True)
+            speeds[mode].append(result["tokens_per_s"])
+    return {mode: {"median_tokens_per_s": statistics.median(s), "range": [min(s), max(s)]}
+            for mode, s in speeds.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["samples", "separate", "beam"])
+    parser.add_argument("mode", choices=[*MODES, "all"])
+    parser.add_argument("--runs", type=int, default=3, help="with `all`: processes per mode")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("needs a GPU (or --tiny, the CPU smoke run)")
-    result = run_beam(args.tiny) if args.mode == "beam" else run_samples(args.mode, args.tiny)
+    if args.mode == "all":
+        result = run_all(args.runs, args.tiny)
+    else:
+        result = run_beam(args.tiny) if args.mode == "beam" else run_samples(args.mode, args.tiny)
     print(json.dumps(result))
 
 
