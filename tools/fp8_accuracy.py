@@ -61,6 +61,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest value
 FP8_MIN_NORMAL = 2.0**-6  # below it e4m3 is subnormal: fewer significant bits
 TOP_K = 5
+MAX_TOKENS = 32  # a CPU sequence's new tokens, at most (docs/fp8_cache.md's figures)
 PREFIX = 16  # sequences are also compared over their first PREFIX tokens
 JITTER = 1e-6  # --jitter: the largest relative move of a K or V value before its rounding
 PRIME = 1_000_003  # jitter's hash: values and runs mapped to [0, PRIME)
@@ -268,8 +269,6 @@ def kv_difference_from_transformers(asked: list[str], num_prompts: int = 4) -> d
 def jittered_counts(runs: int, asked: list[str], probe: bool) -> dict:
     """Sequences identical over PREFIX tokens in each of `runs` jittered fp8 runs (probe: the
     transformers probe), against the unrounded run, which the jitter does not touch: run once."""
-    from test_e2e import MAX_TOKENS
-
     difference = kv_difference_from_transformers(asked)
     print(f"  nanoserve's K and V against transformers' (relative): {difference}")
     model_dir = default_model_dir()
@@ -333,8 +332,6 @@ def chat_prompts(model_dir: str, questions: list[str]) -> list[list[int]]:
 
 def cpu_results(part: str, asked: list[str], forced: bool = False,
                 fa3: tuple | None = None) -> dict:
-    from test_e2e import MAX_TOKENS
-
     model_dir = default_model_dir()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
     rounded = {"kv": "", "k": ", K rounded only", "v": ", V rounded only"}[part]
@@ -362,7 +359,6 @@ def probe_model(model_dir: str, attention: str):
 @torch.no_grad()
 def probe_greedy(model, prompts: list) -> tuple[list, list]:
     """As generate: greedy token ids and per-token top-k logprob dicts of each prompt."""
-    from test_e2e import MAX_TOKENS
     outs = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS,
                            do_sample=False)[0, len(p):].tolist() for p in prompts]
     return outs, [[top_logprobs(row) for row in rows] for rows in teacher_forced(model, prompts,
