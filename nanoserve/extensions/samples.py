@@ -34,13 +34,18 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
             for i in range(params.best_of or params.n)]
 
 
+def cumulative_logprob(token_ids: list[int], logprobs: list[dict[int, float]]) -> float:
+    """The sum of a sample's sampled tokens' logprobs: what best_of ranks by."""
+    return sum(lp[t] for lp, t in zip(logprobs, token_ids))
+
+
 def best(samples: list[dict], params: SamplingParams) -> list[dict]:
     """The n samples to return: the first n, or with best_of the n with the highest
     "cumulative_logprob" (added to each), likeliest first."""
     if params.best_of is None:
         return samples[:params.n]
     for s in samples:
-        s["cumulative_logprob"] = sum(lp[t] for lp, t in zip(s["logprobs"], s["token_ids"]))
+        s["cumulative_logprob"] = cumulative_logprob(s["token_ids"], s["logprobs"])
         if params.logprobs is None:  # asked for ranking only
             del s["logprobs"]
     return sorted(samples, key=lambda s: -s["cumulative_logprob"])[:params.n]

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from nanoserve.extensions.samples import cumulative_logprob
 from nanoserve.server import protocol
 from nanoserve.server.engine_client import EngineClient, RequestStream
 from nanoserve.server.protocol import Delta, OpenAIError
@@ -208,7 +209,7 @@ async def respond(shape: Completion, stream: RequestStream, body: protocol.Sampl
     if totals is None:
         return Response(status_code=499)  # nginx's status for a client that left: nobody reads it
     chosen = totals if body.best_of is None else sorted(  # the n likeliest, likeliest first
-        totals, key=lambda d: -sum(lp[t] for lp, t in zip(d.logprobs, d.token_ids)))[:body.n]
+        totals, key=lambda d: -cumulative_logprob(d.token_ids, d.logprobs))[:body.n]
     choices = [shape.choice(i, total, chunk=False) for i, total in enumerate(chosen)]
     return JSONResponse(shape.head.wrap(choices, protocol.usage(totals)))
 
@@ -246,8 +247,7 @@ async def gather(stream: RequestStream) -> list[Delta]:
     return totals
 
 
-async def until_disconnect(work: Awaitable[list[Delta]],
-                           request: Request) -> list[Delta] | None:
+async def until_disconnect(work: Awaitable[list[Delta]], request: Request) -> list[Delta] | None:
     """work's result, or None if the client disconnects first (work is then cancelled, which
     aborts its request): a plain response has no stream whose writes would notice."""
     work_task, watch_task = map(asyncio.ensure_future, (work, wait_disconnect(request)))
