@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the chat prompts: tests/test_e2e.QUESTIONS
 from bench import QWEN3_0_6B, QWEN3_TINY  # noqa: E402
 from bench_utils import build_random_qwen3  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
@@ -33,10 +34,6 @@ from nanoserve.extensions.samples import BeamSearchParams, sample_params  # noqa
 from nanoserve.weights import default_model_dir  # noqa: E402
 
 MODES = ("samples", "separate", "beam")
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain what a hash table is in one sentence.", "List three primary colors.",
-             "How many legs does a spider have?", "Give me a short tip for learning Python.",
-             "What is 12 times 12?", "Translate 'good morning' into Spanish."]
 
 
 def random_model(tiny: bool) -> str:
@@ -75,6 +72,7 @@ def run_samples(mode: str, tiny: bool) -> dict:
 def run_beam(tiny: bool) -> dict:
     """Beam search, beam_width 4, 64 tokens at most, on the chat prompts; a prompt's search counts
     beam_width tokens a step, for as many steps as its longest beam."""
+    from test_e2e import QUESTIONS
     width, max_tokens = 4, 8 if tiny else 64
     with LLM(default_model_dir(), device="cpu" if tiny else "cuda") as llm:
         chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}],
