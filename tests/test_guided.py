@@ -7,13 +7,18 @@ the rest holds with it: an unguided seeded request next to guided ones, overlap 
 off, speculative decoding, preemption, max_tokens, logprobs and streaming."""
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
+import torch
+import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from bench import guided_schema
 from nanoserve import LLM, GuidedDecodingParams, SamplingParams
-from nanoserve.extensions.guided import parse
+from nanoserve.extensions.guided import Guided, parse
+from nanoserve.sequence import Sequence
 
 # on a GPU its engine takes a share of the memory sized beside no other: in test_e2e's
 # pytest-xdist group, one engine after another
@@ -235,3 +240,46 @@ def test_logprobs_and_streaming(llm, chat):
     assert "".join(o.text for o in streamed) == out["text"]
     assert streamed[-1].finish_reason == "stop"
     jsonschema.validate(json.loads(out["text"]), SCHEMAS[6])
+
+
+def test_masks_fill_on_threads_and_into_buffers_made_once(llm, chat, monkeypatch):
+    """Past pool_rows rows the masks fill on the filling pool, each run of rows on one thread
+    (xgrammar's own pool starts and joins its threads at every call). The threads and the pinned
+    buffers are made once: 20 steps start at most the pool's threads, make no BatchGrammarMatcher
+    and pin no memory (on CUDA a fresh pinned buffer would), and the pool's masks are the engine
+    thread's. 16 sequences (every fourth unguided, so the masked rows are an index) step on
+    random logits, each row taking its argmax."""
+    made, started, pinned = [], [], []
+
+    class Recorded(xgr.BatchGrammarMatcher):
+        def __init__(self, max_threads="auto"):
+            made.append(max_threads)
+            super().__init__(max_threads)
+
+    def counted(calls: list, real):
+        return lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+
+    monkeypatch.setattr(xgr, "BatchGrammarMatcher", Recorded)
+    prompts = [llm.tokenizer.encode(chat(f"Describe {t} as JSON.")) for t in TOPICS[:16]]
+    params = [SamplingParams(temperature=0) if i % 4 == 3  # a schema each, longer than 20 tokens
+              else guided(json=guided_schema(f"key_{i}")) for i in range(16)]
+    tokens = {}
+    for pool_rows in [128, 0]:
+        ext = Guided(llm)
+        ext.pool_rows, made_first = pool_rows, len(made)
+        seqs = [Sequence(p, sp, llm.config.kvcache_block_size) for p, sp in zip(prompts, params)]
+        logits = torch.Generator().manual_seed(0)
+        with monkeypatch.context() as m:
+            for step in range(20):
+                if step == 1:  # after the first, which started the grammars' compiles
+                    m.setattr(threading.Thread, "start", counted(started, threading.Thread.start))
+                    m.setattr(torch.Tensor, "pin_memory", counted(pinned, torch.Tensor.pin_memory))
+                scores = torch.randn(16, llm.config.hf_config.vocab_size, generator=logits)
+                masked = ext.before_sample(scores.to(ext.device), seqs)
+                for seq, token in zip(seqs, masked.argmax(-1).tolist()):
+                    seq.token_ids.append(token)
+        tokens[pool_rows] = [seq.output_token_ids for seq in seqs]
+        assert len(made) == made_first and set(made) == {1}  # one thread each, made before
+        assert len(started) <= len(ext.fillers) and not pinned
+    assert tokens[0] == tokens[128]
+    assert all(llm.tokenizer.decode(tokens[0][i]).startswith('[{') for i in range(16) if i % 4 < 3)

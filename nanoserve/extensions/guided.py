@@ -5,34 +5,33 @@ json_object=True) asks for it.
 
 xgrammar does the work. A constraint is parsed when its GuidedDecodingParams is made (a bad one
 raises there) and compiled against the vocabulary on a pool of threads from the moment its
-request arrives; the compiler caches by the constraint's text, so
-requests that share a schema compile it once. Each request keeps a matcher: the state of its output
-in the grammar. Every step, before the sampler, the matchers of the guided rows fill a bitmask of
-the tokens allowed next (on the engine's thread, or past POOL_ROWS rows on several, while the GPU
-runs the step's forward pass), and
-the disallowed logits of those rows become -inf; unguided rows are not touched. The step's recorded
-tokens then advance the matchers. EOS is allowed only where the grammar may end, and once it is done
-only EOS is, so a finished grammar finishes its request ("stop"); max_tokens may still cut it
-("length"). JSON is generated without free whitespace, so a small model cannot loop on blanks inside
-an object.
-Tokens a row's sequence has that are not recorded yet come first. With overlap scheduling the
-token of the step in flight: the matcher takes it once it is on the host, before the next step's
-mask, and that step's postprocessing finds it taken. With speculative decoding the drafts before
-the row: its mask comes from a fork of the matcher that took them, and the forks are dropped after
-the step, so nothing needs rolling back.
+request arrives; the compiler caches by the constraint's text, so requests that share a schema
+compile it once. Each request keeps a matcher: the state of its output in the grammar.
+Every step, before the sampler, while the GPU runs the step's forward pass:
+1. each guided row's matcher takes the tokens its sequence holds that it has not taken yet: the
+   last step's, and with overlap scheduling the token of the step in flight, read from its output
+   once it is on the host;
+2. the matchers fill a bitmask of the tokens allowed next into buffers made once (on the
+   engine's thread, or past POOL_ROWS rows on a pool of threads made once, a run of rows each);
+3. the disallowed logits of those rows become -inf; unguided rows are not touched.
+With speculative decoding a draft's row takes its mask from a fork of the matcher that took the
+drafts before it; the forks are dropped after the step, so nothing needs rolling back.
+EOS is allowed only where the grammar may end, and once it is done only EOS is, so a finished
+grammar finishes its request ("stop"); max_tokens may still cut it ("length"). JSON is generated
+without free whitespace, so a small model cannot loop on blanks inside an object.
 An Extension, the first in the engine's list (so top-k/p choose among allowed tokens): on_request
-starts the compile, before_sample masks, after_sample notes the step, on_tokens advances the
-matchers. Logprobs are the model's, before the mask.
+starts the compile, before_sample advances the matchers and masks, after_sample notes the step.
+Logprobs are the model's, before the mask.
 """
 import functools
 import json
+import os
 import re
 import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 import xgrammar as xgr
 from torch import Tensor
@@ -40,13 +39,14 @@ from torch import Tensor
 from nanoserve.extensions.overlap import PENDING
 from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import Extension, StepOutput
-from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
-# xgrammar starts and joins its pool of threads at every fill: up to this many rows, one thread
-# fills them sooner (docs/guided_decoding.md has the figures)
+# xgrammar's own pool starts and joins its threads at every fill (docs/guided_decoding.md has the
+# figures): rows are filled on the engine's thread up to POOL_ROWS, past it on WORKERS threads
+# that live as long as the engine, each filling a run of rows on one thread (vLLM: at most 8)
 POOL_ROWS = 128
+WORKERS = min(8, max(2, (os.cpu_count() or 2) // 2))
 # an EBNF string literal, escaped as a JSON string but with characters past ASCII as they are:
 # escaped, one past the BMP becomes a surrogate pair, which xgrammar reads as two characters
 LITERAL = functools.partial(json.dumps, ensure_ascii=False)
@@ -104,13 +104,6 @@ class Guide:
     num_tokens: int = 0  # output tokens the matcher took
 
 
-def accept(guides: list[Guide], tokens: list[int]) -> None:
-    """Each guide's matcher takes its token."""
-    xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
-    for guide in guides:
-        guide.num_tokens += 1
-
-
 def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide]
                  ) -> list[xgr.GrammarMatcher | None]:
     """The matcher whose state each guided row samples in (None: leave the row unmasked):
@@ -133,27 +126,29 @@ def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, G
 class Guided(Extension):
     def __init__(self, engine: LLMEngine) -> None:
         cfg, runner = engine.config, engine.model_runner
-        self.scheduler, self.to_device = engine.scheduler, runner.to_device
+        self.device, eos = runner.device, sorted(engine.scheduler.eos_token_ids)
         # the tokenizer's ids: the logits' ids past them (padding) have no text, and are refused
         self.vocab_size = min(len(engine.tokenizer), cfg.hf_config.vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=sorted(self.scheduler.eos_token_ids))
+                                                  stop_token_ids=eos)
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
         # four grammars compile at once, each on several threads of xgrammar's own
         self.compiling = ThreadPoolExecutor(4, "nanoserve-grammar")
-        # fill the rows' masks: on this thread, or above POOL_ROWS rows on a pool of several
-        self.fillers = (xgr.BatchGrammarMatcher(max_threads=1), xgr.BatchGrammarMatcher())
-        # (rows, V / 32) int32 on the host, pinned on CUDA, whence a stream of its own copies it
+        # up to pool_rows rows fill on this thread, more on the filling pool's: one filler each
+        self.pool_rows, self.filling = POOL_ROWS, ThreadPoolExecutor(WORKERS, "nanoserve-fill")
+        self.fillers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(WORKERS)]
+        # made once: the masks (rows, V / 32) and the masked rows (rows,) on the host, pinned on
+        # CUDA; `copied` marks the end of their last copies to the GPU
         k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
-        cuda = runner.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(runner.device) if cuda else None
-        bitmask = xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), self.vocab_size)
-        self.bitmask = bitmask.pin_memory() if cuda else bitmask
+        cuda = self.device.type == "cuda"
+        buffers = (xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), self.vocab_size),
+                   torch.zeros(cfg.max_num_seqs * (1 + k), dtype=torch.int32))
+        self.bitmask, self.rows = (b.pin_memory() for b in buffers) if cuda else buffers
+        self.copied: torch.cuda.Event | None = None
         # per guided sequence, as long as it lives: its compiled grammar, then its Guide
         self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
         self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step sampled
-        self.caught_up: StepOutput | None = None  # the last step whose tokens _catch_up took
 
     def on_request(self, seq: Sequence, streamed: bool) -> None:
         """Start compiling a guided request's grammar, on the pool's threads."""
@@ -174,50 +169,53 @@ class Guided(Extension):
         if not rows:
             return logits
         guides = {seqs[i]: self.guide(seqs[i]) for i in rows}
-        self._catch_up(guides)
-        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
-        indices, bitmask = [i for i, _ in live], self.bitmask[:len(seqs)]  # (S, V / 32)
-        filler = self.fillers[len(live) > POOL_ROWS]
-        filler.batch_fill_next_token_bitmask([m for _, m in live], bitmask, indices)
+        # with overlap scheduling a sequence may end in the step in flight's token: wait for it
+        pending = any(seq.token_ids[-1] == PENDING for seq in guides)
+        in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
+        if self.copied is not None:  # the buffers' last copies are done (before a wait above)
+            self.copied.synchronize()
+        if len(rows) <= self.pool_rows:
+            live = self._fill(self.fillers[0], seqs, rows, guides, in_flight)
+        else:  # filler j: the rows of every n-th sequence from the j-th, on the pool's threads
+            n, number = len(self.fillers), {seq: k for k, seq in enumerate(guides)}
+            runs = [[i for i in rows if number[seqs[i]] % n == j] for j in range(n)]
+            jobs = [self.filling.submit(self._fill, filler, seqs, run, guides, in_flight)
+                    for filler, run in zip(self.fillers, runs)]  # xgrammar's C++ frees the GIL
+            live = [i for job in jobs for i in job.result()]
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
-        if self.copy_stream is not None:  # on the copy engine, while the forward pass runs
-            with torch.cuda.stream(self.copy_stream):
-                bitmask = bitmask.to(logits.device, non_blocking=True)
-            torch.cuda.current_stream().wait_stream(self.copy_stream)
-            bitmask.record_stream(torch.cuda.current_stream())
-        index = (slice(None) if len(live) == len(seqs)  # the rows, on the device without waiting
-                 else self.to_device(np.array(indices, np.int64)))
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                        indices=None if isinstance(index, slice) else index)
-        logits[index, self.vocab_size:] = float("-inf")
+        self.rows.numpy()[:len(live)] = live
+        bitmask, index = self.bitmask[:len(seqs)], self.rows[:len(live)]
+        if self.device.type == "cuda":  # queued after the forward pass, from pinned memory
+            bitmask, index = (t.to(self.device, non_blocking=True) for t in (bitmask, index))
+            self.copied = torch.cuda.current_stream().record_event()
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=index)
+        if self.vocab_size < logits.shape[-1]:
+            logits[index, self.vocab_size:] = float("-inf")
         return logits
 
-    def _catch_up(self, guides: dict[Sequence, Guide]) -> None:
-        """With overlap scheduling a sequence may end in the token of the step in flight: its
-        matcher takes it now, read from that step's output (waiting for it)."""
-        behind = [seq for seq, guide in guides.items()
-                  if seq.token_ids[-1] == PENDING and guide.num_tokens < seq.num_output_tokens]
-        if behind:
-            last_seqs, out = self.last
-            tokens, self.caught_up = dict(zip(last_seqs, out.tolist())), out
-            accept([guides[seq] for seq in behind], [tokens[seq] for seq in behind])
+    def _fill(self, filler: xgr.BatchGrammarMatcher, seqs: list[Sequence], rows: list[int],
+              guides: dict[Sequence, Guide], in_flight: dict[Sequence, int]) -> list[int]:
+        """The matchers of rows' sequences take the tokens their sequences hold and they have
+        not taken (but a row's drafts); then the rows' masks are filled. Returns the rows
+        filled (not those whose grammar is done or refuses a draft)."""
+        behind = []  # (guide, its tokens to take)
+        for seq, num_rows in Counter(seqs[i] for i in rows).items():
+            guide = guides[seq]
+            end = len(seq.token_ids) - (num_rows - 1)  # the drafts are the rows after the first
+            if tokens := seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:end]:
+                behind.append((guide, [in_flight.get(seq, t) if t == PENDING else t
+                                       for t in tokens]))
+                guide.num_tokens += len(tokens)
+        while behind:  # one token per matcher and call
+            xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in behind],
+                                                       [tokens.pop(0) for _, tokens in behind])
+            behind = [(guide, tokens) for guide, tokens in behind if tokens]
+        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
+        filler.batch_fill_next_token_bitmask([m for _, m in live], self.bitmask,
+                                             [i for i, _ in live])
+        return [i for i, _ in live]
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
         self.last = seqs, out
-
-    def on_tokens(self, batch: Batch, out: StepOutput, token_ids: list[int]) -> list[Sequence]:
-        """Advance the matchers of the guided sequences that got a token now, their last (but
-        for tokens taken already, by _catch_up: all of a step's that matter, as the step after
-        it holds every sequence that goes on)."""
-        if self.guides and out is not self.caught_up:
-            guides, tokens = [], []
-            for seq in batch.seqs:
-                if (guide := self.guides.get(seq)) and guide.num_tokens < seq.num_output_tokens:
-                    guides.append(guide)
-                    tokens.append(seq.token_ids[-1])
-            if guides:
-                accept(guides, tokens)
-        return []
-

@@ -1,0 +1,89 @@
+"""guided_cost.py: what guided decoding costs a lone request (a developer tool, GPU).
+
+One greedy request on the default model (bf16 on a GPU), EOS ignored: unguided, then under
+bench.guided_schema (a JSON array longer than the output, so every token is masked). The engine's
+steps are timed one by one; the figures are medians over the decode steps of --runs requests of
+each kind, after an untimed one of each (compiles, kernels' first launches):
+- ms per output token, unguided and guided, and their ratio;
+- the guided extension's before_sample per step (its host time: taking the last tokens, filling
+  the mask, launching the copy and the masking).
+
+    python tools/guided_cost.py [--tokens 200] [--runs 3] [--json out.json]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import guided_schema  # noqa: E402
+from nanoserve import LLM, GuidedDecodingParams, SamplingParams  # noqa: E402
+
+PROMPT = "Give a list of people, with their names, ids and tags, as JSON."
+
+
+def step_times(llm: LLM, prompt: str, params: SamplingParams) -> list[float]:
+    """Seconds of each engine step of one request alone, after its first two (the prefill and
+    the first decode step, which the overlap loop launches before it postprocesses the prefill)."""
+    llm.add_request(prompt, params)
+    times = []
+    while llm.has_unfinished():
+        start = time.perf_counter()
+        llm.step()
+        times.append(time.perf_counter() - start)
+    return times[2:]
+
+
+def measure(tokens: int, runs: int, device: str = "auto") -> dict:
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    with LLM(dtype=dtype, device=device) as llm:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                                   add_generation_prompt=True, tokenize=False)
+        plain = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        guided = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
+                                guided_decoding=GuidedDecodingParams(json=guided_schema("name")))
+        step_times(llm, prompt, plain), step_times(llm, prompt, guided)  # warm-up, untimed
+        ext, masks = llm.switched_on["guided"], []
+        before_sample = ext.before_sample
+
+        def timed(logits, seqs):  # the extension's hook, timed (a developer tool's wrapper)
+            start = time.perf_counter()
+            masked = before_sample(logits, seqs)
+            if any(seq.params.guided_decoding is not None for seq in seqs):
+                masks.append(time.perf_counter() - start)
+            return masked
+
+        ext.before_sample = timed
+        steps = {"unguided": [], "guided": []}
+        for _ in range(runs):  # the two kinds take turns
+            steps["unguided"] += step_times(llm, prompt, plain)
+            steps["guided"] += step_times(llm, prompt, guided)
+    ms = {kind: 1e3 * statistics.median(times) for kind, times in steps.items()}
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "dtype": dtype, "tokens": tokens, "runs": runs,
+            "unguided_ms_per_token": round(ms["unguided"], 4),
+            "guided_ms_per_token": round(ms["guided"], 4),
+            "guided_over_unguided": round(ms["guided"] / ms["unguided"], 3),
+            "before_sample_us": round(1e6 * statistics.median(masks), 1),
+            "before_sample_steps": len(masks)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=200, help="output tokens a request (200)")
+    p.add_argument("--runs", type=int, default=3, help="timed requests of each kind (3)")
+    p.add_argument("--device", default="auto", help="the engine's device (auto: the GPU if any)")
+    p.add_argument("--json", help="write the figures here too")
+    args = p.parse_args()
+    figures = measure(args.tokens, args.runs, args.device)
+    print(json.dumps(figures))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
