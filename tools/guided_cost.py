@@ -5,8 +5,9 @@ bench.guided_schema (a JSON array longer than the output, so every token is mask
 steps are timed one by one; the figures are medians over the decode steps of --runs requests of
 each kind, after an untimed one of each (compiles, kernels' first launches):
 - ms per output token, unguided and guided, and their ratio;
-- the guided extension's before_sample per step (its host time: taking the last tokens, filling
-  the mask, launching the copy and the masking).
+- the guided extension's before_sample per step: its host time (taking the last tokens, filling
+  the mask, launching the copies and the masking), timed after the step in flight's tokens are
+  on the host (before_sample would wait for them).
 
     python tools/guided_cost.py [--tokens 200] [--runs 3] [--json out.json]
 """
@@ -51,6 +52,8 @@ def measure(tokens: int, runs: int, device: str = "auto") -> dict:
         before_sample = ext.before_sample
 
         def timed(logits, seqs):  # the extension's hook, timed (a developer tool's wrapper)
+            if ext.last is not None:  # its host work alone: not the wait for the step in flight
+                ext.last[1].tolist()
             start = time.perf_counter()
             masked = before_sample(logits, seqs)
             if any(seq.params.guided_decoding is not None for seq in seqs):

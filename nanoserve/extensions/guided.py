@@ -25,6 +25,7 @@ Logprobs are the model's, before the mask.
 """
 import functools
 import json
+import operator
 import os
 import re
 import weakref
@@ -174,14 +175,16 @@ class Guided(Extension):
         in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
         if self.copied is not None:  # the buffers' last copies are done (before a wait above)
             self.copied.synchronize()
-        if len(rows) <= self.pool_rows:
-            live = self._fill(self.fillers[0], seqs, rows, guides, in_flight)
-        else:  # filler j: the rows of every n-th sequence from the j-th, on the pool's threads
-            n, number = len(self.fillers), {seq: k for k, seq in enumerate(guides)}
-            runs = [[i for i in rows if number[seqs[i]] % n == j] for j in range(n)]
-            jobs = [self.filling.submit(self._fill, filler, seqs, run, guides, in_flight)
-                    for filler, run in zip(self.fillers, runs)]  # xgrammar's C++ frees the GIL
-            live = [i for job in jobs for i in job.result()]
+        self._catch_up(seqs, rows, guides, in_flight)
+        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
+        # past pool_rows rows filler j fills every n-th row from the j-th, on the pool's threads,
+        # in C++ alone (Python in n threads would queue for the GIL)
+        n = 1 if len(live) <= self.pool_rows else len(self.fillers)
+        fills = [functools.partial(filler.batch_fill_next_token_bitmask, [m for _, m in live[j::n]],
+                                   self.bitmask, [i for i, _ in live[j::n]])
+                 for j, filler in enumerate(self.fillers[:n])]
+        list(map(operator.call, fills) if n == 1 else self.filling.map(operator.call, fills))
+        live = [i for i, _ in live]
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
         self.rows.numpy()[:len(live)] = live
@@ -189,16 +192,16 @@ class Guided(Extension):
         if self.device.type == "cuda":  # queued after the forward pass, from pinned memory
             bitmask, index = (t.to(self.device, non_blocking=True) for t in (bitmask, index))
             self.copied = torch.cuda.current_stream().record_event()
+        index = None if len(live) == len(seqs) else index  # every row: no index to read
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=index)
         if self.vocab_size < logits.shape[-1]:
-            logits[index, self.vocab_size:] = float("-inf")
+            logits[slice(None) if index is None else index, self.vocab_size:] = float("-inf")
         return logits
 
-    def _fill(self, filler: xgr.BatchGrammarMatcher, seqs: list[Sequence], rows: list[int],
-              guides: dict[Sequence, Guide], in_flight: dict[Sequence, int]) -> list[int]:
+    def _catch_up(self, seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide],
+                  in_flight: dict[Sequence, int]) -> None:
         """The matchers of rows' sequences take the tokens their sequences hold and they have
-        not taken (but a row's drafts); then the rows' masks are filled. Returns the rows
-        filled (not those whose grammar is done or refuses a draft)."""
+        not taken, but the drafts (a draft's row takes its mask from a fork)."""
         behind = []  # (guide, its tokens to take)
         for seq, num_rows in Counter(seqs[i] for i in rows).items():
             guide = guides[seq]
@@ -211,10 +214,6 @@ class Guided(Extension):
             xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in behind],
                                                        [tokens.pop(0) for _, tokens in behind])
             behind = [(guide, tokens) for guide, tokens in behind if tokens]
-        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
-        filler.batch_fill_next_token_bitmask([m for _, m in live], self.bitmask,
-                                             [i for i, _ in live])
-        return [i for i, _ in live]
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
