@@ -38,6 +38,10 @@ from nanoserve.server import cli
 from nanoserve.server.app import until_disconnect
 from nanoserve.weights import default_model_dir
 
+# with pytest-xdist, test_tp's worker (processes and shared memory): one module server, and
+# test_metrics after the requests it counts
+pytestmark = pytest.mark.xdist_group(name="processes")
+
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"  # the served name of the default model: its directory's name
 START_TIMEOUT_S = 180

@@ -52,11 +52,13 @@ def fused_norm_rotary_store(positions: Tensor, q: Tensor, k: Tensor, v: Tensor,
                             layers.get_forward_context().slot_mapping, norm)
 
 
-@functools.cache  # one compile per process: each new wrapper would compile again, and dynamo
-def compiled_steps() -> dict[str, Callable]:  # falls back to eager once one compiled too often
+@functools.cache  # one compile per process: each new wrapper would compile again
+def compiled_steps() -> dict[str, Callable]:
     """Each elementwise step compiled into one kernel: the backends' and prefill's gather."""
-    plain = layers.Backends()
-    return {name: gpu_compiled(getattr(plain, name)) for name in COMPILED} | {
+    # each dtype and model shape compiles a step again; past dynamo's limit (8: several engines
+    # in one process) it would run the step eagerly, with other bits than the compiled one's
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return {name: gpu_compiled(getattr(layers.Backends(), name)) for name in COMPILED} | {
         "gather_kv": gpu_compiled(kernels.gather_kv)}
 
 
