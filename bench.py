@@ -436,7 +436,8 @@ def init_cb_manager(model: "PreTrainedModel", wl: Workload,
     params = inspect.signature(model.init_continuous_batching).parameters
     if device == "cpu" and "continuous_batching_config" in params:
         from transformers import ContinuousBatchingConfig
-        page = ContinuousBatchingConfig().page_size  # tokens per cache block
+        default = ContinuousBatchingConfig()  # tokens per cache block: 5.17's block_size
+        page = getattr(default, "page_size", None) or default.block_size
         kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
             num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(wl.prompts, wl.output_lens)),
             max_batch_tokens=min(sum(map(len, wl.prompts)), CB_CPU_MAX_BATCH_TOKENS))
