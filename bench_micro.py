@@ -14,6 +14,11 @@
                   prompt + t tokens each (t = 1, 256, 512, 768), longest context first as the
                   scheduler orders a batch; bytes read over time against the HBM bandwidth.
                   `--w1-shapes` runs this part alone.
+  FlashInfer      with `flashinfer-python` installed (`pip install -e '.[flashinfer]'`, never
+                  needed to run nanoserve): its batch paged decode, the kernel library vLLM and
+                  SGLang use, on the same caches and block tables beside both kernels, as the
+                  yardstick (`flashinfer` rows; the first call JIT-compiles its kernels with nvcc,
+                  timed and printed).
   decode step     one whole decode forward (model + LM head + sampling) of the random-weight
                   Qwen3-0.6B from bench.py, eager vs CUDA graph, at several batch sizes, context
                   1024.
@@ -22,11 +27,15 @@
 """
 import argparse
 import functools
+import importlib.util
 import json
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from bench import HBM_BANDWIDTH, QWEN3_0_6B, make_w1, resolve_model_dir
 from nanoserve import LLM, SamplingParams
@@ -41,6 +50,54 @@ DECODE_KERNELS = {"paged_decode": paged_decode, "cascade_decode": cascade_decode
 L2_FLUSH_BYTES = 256 << 20  # rotate inputs through more than the 50-60 MB L2
 W1_STEPS = (1, 256, 512, 768)  # W1 decode steps whose batch and contexts are measured
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def flashinfer_pages(block_tables: Tensor, context_lens: Tensor,
+                     block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """nanoserve's block tables (S, max_blocks) as FlashInfer's paged-KV layout: indptr (S + 1,),
+    the pages of every sequence one after another (indptr[-1],), and the tokens in each
+    sequence's last page (S,), 1..block_size; int32, on the tables' device."""
+    pages = (context_lens.long() + block_size - 1) // block_size  # (S,)
+    used = torch.arange(block_tables.shape[1], device=pages.device) < pages[:, None]  # (S, max)
+    indptr = F.pad(pages.cumsum(0), (1, 0))
+    last = context_lens.long() - (pages - 1) * block_size
+    return indptr.int(), block_tables[used].int(), last.int()
+
+
+class FlashInferDecode:
+    """FlashInfer's batch paged decode (BatchDecodeWithPagedKVCacheWrapper, NHD caches as
+    nanoserve's) with paged_decode's arguments. time_graph calls each input set once eagerly,
+    then inside a CUDA graph: the first call plans a wrapper for those block tables (host work,
+    outside the graph), every call runs it. One instance per shape (time_decode makes it)."""
+    compile_seconds: float | None = None  # the process's first call: FlashInfer's JIT compile
+
+    def __init__(self) -> None:
+        self.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")  # split-KV
+        self.planned: dict[int, tuple] = {}  # id(block_tables) -> (wrapper, what it holds)
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                 context_lens: Tensor, scale: float) -> Tensor:
+        import flashinfer
+        if id(block_tables) not in self.planned:
+            (_, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
+            start, pages = time.perf_counter(), flashinfer_pages(block_tables, context_lens, B)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=pages[0],
+                paged_kv_indices_buffer=pages[1], paged_kv_last_page_len_buffer=pages[2])
+            wrapper.plan(*pages, H, Hkv, D, B, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+                         o_data_type=q.dtype, sm_scale=scale)
+            self.planned[id(block_tables)] = wrapper, block_tables, pages
+            if FlashInferDecode.compile_seconds is None:
+                wrapper.run(q, (k_cache, v_cache))
+                torch.cuda.synchronize()
+                FlashInferDecode.compile_seconds = time.perf_counter() - start
+                print(f"FlashInfer: first plan and run (JIT compile) "
+                      f"{FlashInferDecode.compile_seconds:.0f} s", flush=True)
+        return self.planned[id(block_tables)][0].run(q, (k_cache, v_cache))
+
+
+if importlib.util.find_spec("flashinfer") is not None:  # the yardstick, where installed
+    DECODE_KERNELS["flashinfer"] = FlashInferDecode
 
 
 def time_cuda(fn, iters: int = 20) -> float:
@@ -64,6 +121,8 @@ def time_decode(decode_fn: Callable, context_lens: list[int],
     8 KV, head dim 128, blocks of 16 scattered at random over a cache of kv_dtype), and the bytes
     it must read: K and V of every sequence, q, out."""
     H, Hkv, D, B = 16, 8, 128, 16
+    if isinstance(decode_fn, type):  # a kernel planned per shape (FlashInferDecode): a new one
+        decode_fn = decode_fn()
     batch, blocks = len(context_lens), [-(-n // B) for n in context_lens]
     kv_bytes = 2 * sum(context_lens) * Hkv * D * kv_dtype.itemsize
     copies = max(1, L2_FLUSH_BYTES // kv_bytes + 1)
@@ -112,6 +171,22 @@ def w1_step_kernel(name: str, decode_fn: Callable, step: int, kv: str, bandwidth
     return {"kernel": name, "kv": kv, "step": step, "batch": len(lens),
             "mean_context": sum(lens) / len(lens), "us": seconds * 1e6, "bytes": bytes_read,
             "fraction_of_bandwidth": bytes_read / seconds / bandwidth}
+
+
+def flashinfer_agrees() -> float:
+    """The largest difference between FlashInfer's decode and paged_decode's on one bf16 shape
+    (64 sequences of 1 to 2,000 tokens): the yardstick computes the same attention."""
+    torch.manual_seed(0)
+    lens = torch.randint(1, 2000, (64,), device="cuda", dtype=torch.int32)
+    pages = (lens + 15) // 16
+    k = torch.randn(int(pages.sum()), 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v, q = torch.randn_like(k), torch.randn(64, 16, 128, device="cuda", dtype=torch.bfloat16)
+    tables = torch.full((64, int(pages.max())), -1, device="cuda", dtype=torch.int32)
+    for i, own in enumerate(torch.randperm(len(k), device="cuda").int().split(pages.tolist())):
+        tables[i, :len(own)] = own
+    ours = paged_decode(q, k, v, tables, lens, 128 ** -0.5)
+    theirs = FlashInferDecode()(q, k, v, tables, lens, 128 ** -0.5)
+    return float((ours.float() - theirs.float()).abs().max())
 
 
 def w1_shapes(bandwidth: float) -> list[dict]:
@@ -172,6 +247,12 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     bandwidth = args.bandwidth or next(bw for key, bw in HBM_BANDWIDTH if key in name)
     result = {"gpu": name, "bandwidth": bandwidth, "kernel": [], "step": []}
+    if "flashinfer" in DECODE_KERNELS:
+        result["flashinfer_max_difference"] = difference = flashinfer_agrees()
+        result["flashinfer_compile_seconds"] = FlashInferDecode.compile_seconds
+        print(f"FlashInfer against paged_decode, bf16: largest difference {difference:.2e}")
+    else:
+        print("FlashInfer is not installed (pip install -e '.[flashinfer]'): no yardstick rows")
     result["w1_shapes"] = w1_shapes(bandwidth)
     if args.w1_shapes:
         return write(result, args.json)

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
+import bench_micro  # noqa: E402
 import bench_utils  # noqa: E402
 
 # engines on the GPU that take most of its memory: in one pytest-xdist worker, one after another
@@ -382,3 +383,13 @@ def test_guided_runs_with_another_tokenizer(tiny_model, monkeypatch):
                 assert len(out["token_ids"]) == n and all(map(matcher.accept_token,
                                                               out["token_ids"]))
     assert len({json.dumps(sp.guided_decoding.json) for sp in params}) == len(params)
+
+
+def test_flashinfer_pages_lay_out_the_block_tables():
+    """bench_micro's FlashInfer yardstick reads the same cache through FlashInfer's paged layout:
+    each sequence's used blocks in order, and its last block's tokens (1..16)."""
+    tables = torch.tensor([[7, 2, -1], [5, -1, -1], [0, 3, 9]], dtype=torch.int32)  # (S, max)
+    indptr, indices, last = bench_micro.flashinfer_pages(tables, torch.tensor([17, 16, 33]), 16)
+    assert indptr.tolist() == [0, 2, 3, 6] and indices.tolist() == [7, 2, 5, 0, 3, 9]
+    assert last.tolist() == [1, 16, 1] and {t.dtype for t in (indptr, indices, last)} == {
+        torch.int32}
