@@ -85,7 +85,7 @@ class FlashInferDecode:
                 self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=pages[0],
                 paged_kv_indices_buffer=pages[1], paged_kv_last_page_len_buffer=pages[2])
             wrapper.plan(*pages, H, Hkv, D, B, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-                         o_data_type=q.dtype, sm_scale=scale)
+                         sm_scale=scale)  # out in q's dtype
             self.planned[id(block_tables)] = wrapper, block_tables, pages
             if FlashInferDecode.compile_seconds is None:
                 wrapper.run(q, (k_cache, v_cache))
