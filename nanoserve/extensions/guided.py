@@ -173,7 +173,8 @@ class Guided(Extension):
         # with overlap scheduling a sequence may end in the step in flight's token: wait for it
         pending = any(seq.token_ids[-1] == PENDING for seq in guides)
         in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
-        if self.copied is not None:  # the buffers' last copies are done (before a wait above)
+        if self.copied is not None:  # the buffers' last copies left them (in decode long since:
+            # they came before the tokens waited for above)
             self.copied.synchronize()
         self._catch_up(seqs, rows, guides, in_flight)
         live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
