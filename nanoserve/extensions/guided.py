@@ -105,12 +105,13 @@ class Guide:
     num_tokens: int = 0  # output tokens the matcher took
 
 
-def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide]
-                 ) -> list[xgr.GrammarMatcher | None]:
+def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide],
+                 num_rows: Counter[Sequence]) -> list[xgr.GrammarMatcher | None]:
     """The matcher whose state each guided row samples in (None: leave the row unmasked):
     its sequence's, or with speculative decoding a fork that took the drafts before the row
-    (None where the grammar refuses one: verification then stops before the row)."""
-    num_rows, matchers, j = Counter(seqs[i] for i in rows), [], 0
+    (None where the grammar refuses one: verification then stops before the row). num_rows:
+    each sequence's rows."""
+    matchers, j = [], 0
     for i in rows:
         seq = seqs[i]
         if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
@@ -170,14 +171,15 @@ class Guided(Extension):
         if not rows:
             return logits
         guides = {seqs[i]: self.guide(seqs[i]) for i in rows}
+        num_rows = Counter(seqs[i] for i in rows)  # a sequence's row, then one per draft
         # with overlap scheduling a sequence may end in the step in flight's token: wait for it
         pending = any(seq.token_ids[-1] == PENDING for seq in guides)
         in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
         if self.copied is not None:  # the buffers' last copies left them (in decode long since:
             # they came before the tokens waited for above)
             self.copied.synchronize()
-        self._catch_up(seqs, rows, guides, in_flight)
-        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides)) if m]
+        self._catch_up(num_rows, guides, in_flight)
+        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides, num_rows)) if m]
         # past pool_rows rows filler j fills every n-th row from the j-th, on the pool's threads,
         # in C++ alone (Python in n threads would queue for the GIL)
         n = 1 if len(live) <= self.pool_rows else len(self.fillers)
@@ -185,28 +187,28 @@ class Guided(Extension):
                                    self.bitmask, [i for i, _ in live[j::n]])
                  for j, filler in enumerate(self.fillers[:n])]
         list(map(operator.call, fills) if n == 1 else self.filling.map(operator.call, fills))
-        live = [i for i, _ in live]
+        filled = [i for i, _ in live]
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
-        self.rows.numpy()[:len(live)] = live
-        bitmask, index = self.bitmask[:len(seqs)], self.rows[:len(live)]
+        self.rows.numpy()[:len(filled)] = filled
+        bitmask, index = self.bitmask[:len(seqs)], self.rows[:len(filled)]
         if self.device.type == "cuda":  # queued after the forward pass, from pinned memory
             bitmask, index = (t.to(self.device, non_blocking=True) for t in (bitmask, index))
             self.copied = torch.cuda.current_stream().record_event()
-        index = None if len(live) == len(seqs) else index  # every row: no index to read
+        index = None if len(filled) == len(seqs) else index  # every row: no index to read
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=index)
         if self.vocab_size < logits.shape[-1]:
             logits[slice(None) if index is None else index, self.vocab_size:] = float("-inf")
         return logits
 
-    def _catch_up(self, seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide],
+    def _catch_up(self, num_rows: Counter[Sequence], guides: dict[Sequence, Guide],
                   in_flight: dict[Sequence, int]) -> None:
-        """The matchers of rows' sequences take the tokens their sequences hold and they have
-        not taken, but the drafts (a draft's row takes its mask from a fork)."""
+        """The matchers of the sequences (with their rows) take the tokens their sequences hold
+        and they have not taken, but the drafts (a draft's row takes its mask from a fork)."""
         behind = []  # (guide, its tokens to take)
-        for seq, num_rows in Counter(seqs[i] for i in rows).items():
+        for seq, rows in num_rows.items():
             guide = guides[seq]
-            end = len(seq.token_ids) - (num_rows - 1)  # the drafts are the rows after the first
+            end = len(seq.token_ids) - (rows - 1)  # the drafts are the rows after the first
             if tokens := seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:end]:
                 behind.append((guide, [in_flight.get(seq, t) if t == PENDING else t
                                        for t in tokens]))
