@@ -46,6 +46,7 @@ from nanoserve.scheduler import Batch
 from nanoserve.sequence import Sequence
 
 CONTEXT = 1024
+H, HKV, D, B = 16, 8, 128, 16  # the kernels' shapes: Qwen3-0.6B's heads and head dim, blocks of 16
 DECODE_KERNELS = {"paged_decode": paged_decode, "cascade_decode": cascade_decode}
 L2_FLUSH_BYTES = 256 << 20  # rotate inputs through more than the 50-60 MB L2
 W1_STEPS = (1, 256, 512, 768)  # W1 decode steps whose batch and contexts are measured
@@ -79,13 +80,13 @@ class FlashInferDecode:
                  context_lens: Tensor, scale: float) -> Tensor:
         import flashinfer
         if id(block_tables) not in self.planned:
-            (_, H, D), (B, Hkv) = q.shape, k_cache.shape[1:3]
-            start, pages = time.perf_counter(), flashinfer_pages(block_tables, context_lens, B)
+            (_, heads, head_dim), (block, kv_heads) = q.shape, k_cache.shape[1:3]
+            start, pages = time.perf_counter(), flashinfer_pages(block_tables, context_lens, block)
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=pages[0],
                 paged_kv_indices_buffer=pages[1], paged_kv_last_page_len_buffer=pages[2])
-            wrapper.plan(*pages, H, Hkv, D, B, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-                         sm_scale=scale)  # out in q's dtype
+            wrapper.plan(*pages, heads, kv_heads, head_dim, block, q_data_type=q.dtype,
+                         kv_data_type=k_cache.dtype, sm_scale=scale)  # out in q's dtype
             self.planned[id(block_tables)] = wrapper, block_tables, pages
             if FlashInferDecode.compile_seconds is None:
                 wrapper.run(q, (k_cache, v_cache))
@@ -115,31 +116,34 @@ def time_cuda(fn, iters: int = 20) -> float:
     return float(np.median(times))
 
 
+def paged_inputs(context_lens: list[int], kv_dtype: torch.dtype
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q (S, H, D) in bf16, K and V caches (blocks, B, HKV, D) of kv_dtype, and block tables (S,
+    max blocks) that give each sequence its own blocks, scattered at random over the cache."""
+    batch, blocks = len(context_lens), [-(-n // B) for n in context_lens]
+    k = torch.randn(sum(blocks), B, HKV, D, device="cuda").to(kv_dtype)
+    v = torch.randn_like(k, dtype=torch.float32).to(kv_dtype)
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
+    tables = torch.zeros(batch, max(blocks), device="cuda", dtype=torch.int32)  # (S, max)
+    for i, own in enumerate(order.split(blocks)):  # each sequence its own blocks
+        tables[i, :len(own)] = own
+    return q, k, v, tables
+
+
 def time_decode(decode_fn: Callable, context_lens: list[int],
                 kv_dtype: torch.dtype) -> tuple[float, int]:
-    """decode_fn's median seconds over sequences of these contexts at Qwen3-0.6B's heads (16 q /
-    8 KV, head dim 128, blocks of 16 scattered at random over a cache of kv_dtype), and the bytes
-    it must read: K and V of every sequence, q, out."""
-    H, Hkv, D, B = 16, 8, 128, 16
+    """decode_fn's median seconds over sequences of these contexts (paged_inputs), and the
+    bytes it must read: K and V of every sequence, q, out."""
     if isinstance(decode_fn, type):  # a kernel planned per shape (FlashInferDecode): a new one
         decode_fn = decode_fn()
-    batch, blocks = len(context_lens), [-(-n // B) for n in context_lens]
-    kv_bytes = 2 * sum(context_lens) * Hkv * D * kv_dtype.itemsize
+    kv_bytes = 2 * sum(context_lens) * HKV * D * kv_dtype.itemsize
     copies = max(1, L2_FLUSH_BYTES // kv_bytes + 1)
-    sets = []
-    for _ in range(copies):
-        k = torch.randn(sum(blocks), B, Hkv, D, device="cuda").to(kv_dtype)
-        v = torch.randn_like(k, dtype=torch.float32).to(kv_dtype)
-        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-        order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
-        tables = torch.zeros(batch, max(blocks), device="cuda", dtype=torch.int32)  # (S, max)
-        for i, own in enumerate(order.split(blocks)):  # each sequence its own blocks
-            tables[i, :len(own)] = own
-        sets.append((q, k, v, tables))
+    sets = [paged_inputs(context_lens, kv_dtype) for _ in range(copies)]
     lens = torch.tensor(context_lens, device="cuda", dtype=torch.int32)
     # one graph of >= 12 calls, each on the next copy, so nothing is served from L2
     calls = [functools.partial(decode_fn, *inputs, lens, D ** -0.5) for inputs in sets]
-    return time_graph(calls * -(-12 // copies)), kv_bytes + 2 * batch * H * D * 2
+    return time_graph(calls * -(-12 // copies)), kv_bytes + 2 * len(context_lens) * H * D * 2
 
 
 def time_graph(calls: list[Callable]) -> float:
@@ -177,15 +181,11 @@ def flashinfer_agrees() -> float:
     """The largest difference between FlashInfer's decode and paged_decode's on one bf16 shape
     (64 sequences of 1 to 2,000 tokens): the yardstick computes the same attention."""
     torch.manual_seed(0)
-    lens = torch.randint(1, 2000, (64,), device="cuda", dtype=torch.int32)
-    pages = (lens + 15) // 16
-    k = torch.randn(int(pages.sum()), 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v, q = torch.randn_like(k), torch.randn(64, 16, 128, device="cuda", dtype=torch.bfloat16)
-    tables = torch.full((64, int(pages.max())), -1, device="cuda", dtype=torch.int32)
-    for i, own in enumerate(torch.randperm(len(k), device="cuda").int().split(pages.tolist())):
-        tables[i, :len(own)] = own
-    ours = paged_decode(q, k, v, tables, lens, 128 ** -0.5)
-    theirs = FlashInferDecode()(q, k, v, tables, lens, 128 ** -0.5)
+    context_lens = torch.randint(1, 2000, (64,)).tolist()
+    inputs = paged_inputs(context_lens, torch.bfloat16)
+    lens = torch.tensor(context_lens, device="cuda", dtype=torch.int32)
+    ours = paged_decode(*inputs, lens, D ** -0.5)
+    theirs = FlashInferDecode()(*inputs, lens, D ** -0.5)
     return float((ours.float() - theirs.float()).abs().max())
 
 
