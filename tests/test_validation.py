@@ -6,6 +6,9 @@ request checks use one real engine on the default model (SmolLM2-135M-Instruct, 
 load on CPU), shared by the module; after every rejected call it must still generate the same
 greedy tokens and hold no sequence and no block.
 """
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -295,3 +298,31 @@ def test_an_engine_that_fails_to_start_frees_its_model(monkeypatch):
             prompt_lookup_max=2)
     runner = made[0]()
     assert runner is None or not hasattr(runner, "kv_cache")
+
+
+
+def test_processes_that_start_together_convert_the_default_model_once(tmp_path, monkeypatch):
+    """Engines started at once with no converted default model (pytest-xdist's workers, two
+    servers): one converts, the others wait for it and load its directory (a second conversion
+    could not move its directory over the first's). Threads stand in for the processes: each
+    opens the GGUF for its own lock."""
+    import threading
+
+    from nanoserve import weights
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    conversions = []
+
+    def convert(gguf: str, out: str) -> None:  # slow enough for the others to arrive meanwhile
+        conversions.append(out)
+        time.sleep(0.5)
+        os.makedirs(out)
+        open(os.path.join(out, "config.json"), "w").close()
+    monkeypatch.setattr(weights, "_convert_gguf", convert)
+    dirs = []
+    threads = [threading.Thread(target=lambda: dirs.append(weights.default_model_dir()))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(conversions) == 1 and dirs == conversions * 3
