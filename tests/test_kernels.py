@@ -4,18 +4,17 @@ loops.
 CPU (CI): the Triton kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET once,
 when it is imported (its own tl.sum / tl.max are @triton.jit functions built then), so one process
 cannot hold both compiled and interpreted kernels. The *_interpreted tests therefore run only in a
-process started with TRITON_INTERPRET=1; in any other run, test_kernels_under_triton_interpreter
-starts such a child process for them. The kernels are also compiled for a Hopper GPU (sm_90) on the
-CPU, which catches what only the GPU compiler rejects. GPU tests carry the `gpu` marker and skip
-without CUDA.
+process started with TRITON_INTERPRET=1; in any other run,
+test_kernels_interpreted.py::test_kernels_under_triton_interpreter starts such a child process for
+them (a file of its own: the GPU suite's first run, the GPU's tests, leaves it to the second). The
+kernels are also compiled for a Hopper GPU (sm_90) on the CPU, which catches what only the GPU
+compiler rejects. GPU tests carry the `gpu` marker and skip without CUDA.
 Run: `python -m pytest -q tests/test_kernels.py` (CPU; GPU tests skip), `... -m gpu` on a GPU.
 """
 
 import functools
 import math
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -32,7 +31,6 @@ from nanoserve.extensions.cascade import cascade_decode
 from nanoserve.kernels import decode
 from nanoserve.layers import RotaryEmbedding
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8"
 # neighbouring e4m3 values: 3 mantissa bits, so 1/8 apart relative; subnormals 2^-9 apart
 FP8_TOL = dict(atol=2**-9, rtol=2**-3)
@@ -40,22 +38,7 @@ gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 interpreted = pytest.mark.skipif(
     not kernels.INTERPRETED, reason="needs TRITON_INTERPRET=1 from start-up: "
-    "test_kernels_under_triton_interpreter runs it in a child process")
-
-
-@pytest.mark.skipif(kernels.INTERPRETED, reason="this process is interpreted: the tests run here")
-def test_kernels_under_triton_interpreter() -> None:
-    """Run this file's *_interpreted tests in a child process with TRITON_INTERPRET=1 set before
-    any import."""
-    python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    # no GPU visible: the child runs as on a CPU machine, wherever it starts
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path, CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-               __file__]
-    child = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    report = child.stdout[-6000:] + child.stderr[-2000:]
-    passed = " passed" in child.stdout and "skipped" not in child.stdout
-    assert child.returncode == 0 and passed, report
+    "test_kernels_interpreted.py runs it in a child process")
 
 
 def make_paged_kv(context_lens: list[int], B: int, Hkv: int, D: int, dtype: torch.dtype,

@@ -8,11 +8,15 @@ each kind, after an untimed one of each (compiles, kernels' first launches):
 - the guided extension's before_sample per step: its host time (taking the last tokens, filling
   the mask, launching the copies and the masking), timed after the step in flight's tokens are
   on the host (before_sample would wait for them).
+--profile N also runs the timed hook under cProfile and prints its N costliest functions (by
+their own time) to stderr: where the host time goes (the figures above then include cProfile's).
 
-    python tools/guided_cost.py [--tokens 200] [--runs 3] [--json out.json]
+    python tools/guided_cost.py [--tokens 200] [--runs 3] [--json out.json] [--profile 15]
 """
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -39,7 +43,8 @@ def step_times(llm: LLM, prompt: str, params: SamplingParams) -> list[float]:
     return times[2:]
 
 
-def measure(tokens: int, runs: int, device: str = "auto") -> dict:
+def measure(tokens: int, runs: int, device: str = "auto",
+            profile: cProfile.Profile | None = None) -> dict:
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     with LLM(dtype=dtype, device=device) as llm:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
@@ -54,8 +59,12 @@ def measure(tokens: int, runs: int, device: str = "auto") -> dict:
         def timed(logits, seqs):  # the extension's hook, timed (a developer tool's wrapper)
             if ext.last is not None:  # its host work alone: not the wait for the step in flight
                 ext.last[1].tolist()
+            if profile is not None:
+                profile.enable()
             start = time.perf_counter()
             masked = before_sample(logits, seqs)
+            if profile is not None:
+                profile.disable()
             if any(seq.params.guided_decoding is not None for seq in seqs):
                 masks.append(time.perf_counter() - start)
             return masked
@@ -81,9 +90,14 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="timed requests of each kind (3)")
     p.add_argument("--device", default="auto", help="the engine's device (auto: the GPU if any)")
     p.add_argument("--json", help="write the figures here too")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile the hook; print its N costliest functions to stderr")
     args = p.parse_args()
-    figures = measure(args.tokens, args.runs, args.device)
+    profile = cProfile.Profile() if args.profile else None
+    figures = measure(args.tokens, args.runs, args.device, profile)
     print(json.dumps(figures))
+    if profile is not None:
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
 
