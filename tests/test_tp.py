@@ -40,7 +40,11 @@ def greedy_ids(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def shm_entries() -> set[str]:  # but torch.compile's workers' semaphores (loky's): not nanoserve's
+def shm_entries() -> set[str]:
+    """/dev/shm's entries but loky's semaphores (joblib's process pools, which an installed
+    library may start). Where loky is imported it renames every multiprocessing semaphore
+    sem.loky-<pid>-..., this process's too, so there this sees only the segments: engine_shm
+    names an engine's own entries wherever it runs."""
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.loky-")}
 
 
