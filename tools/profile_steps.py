@@ -3,13 +3,16 @@
 For every engine step it records the host time of each phase (schedule, prepare, launch, wait
 for the sampled tokens, postprocess) and the GPU time between two CUDA events around forward +
 sampling. It prints the totals by step kind and decode batch size, then (--kernels) torch.profiler
-kernel tables of a few decode steps at batch 256 and at batch 32, and of a prefill. The phases
+kernel tables of a few decode steps at batch 256 and at batch 32, and of a prefill. --guided one
+or each guides every request as `bench.py --guided` does (the model paired with --tokenizer's
+files, the packaged default model's by default) and times the guided extension's before_sample
+as its own phase, `guided` (inside `run`, its in-flight wait in `wait`). The phases
 are timed by wrapping the engine's methods: Scheduler's and ModelRunner's for both loops,
 OverlapLoop's too with overlap scheduling. On a CPU it runs a tiny model, as a smoke test.
 
     python tools/profile_steps.py [--workload w1|w2] [--no-prefix-caching] [--no-overlap]
                                   [--kv-cache-dtype auto|fp8] [--kernels] [--prefill]
-                                  [--json out.json]
+                                  [--guided off|one|each] [--tokenizer DIR] [--json out.json]
 """
 import argparse
 import json
@@ -28,17 +31,19 @@ from bench import (  # noqa: E402
     make_w1,
     make_w2,
     nanoserve_params,
+    resolve_model_dir,
     warmup_workload,
 )
 from bench_utils import build_random_qwen3  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.extensions.overlap import OverlapLoop  # noqa: E402
 from nanoserve.model_runner import StepOutput  # noqa: E402
+from nanoserve.weights import default_model_dir  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 BUCKETS = [(192, "decode b>=192"), (64, "decode b 64-191"), (16, "decode b 16-63"),
            (1, "decode b<16")]
-KEYS = ["wall", "gpu", "schedule", "run", "prepare", "wait", "postprocess"]
+KEYS = ["wall", "gpu", "schedule", "run", "prepare", "guided", "wait", "postprocess"]
 
 
 def bucket(batch) -> str:
@@ -99,6 +104,8 @@ def instrument(llm: LLM) -> list[dict]:
         timed(llm.loop, "_schedule_decode", "schedule")
         timed(llm.loop, "_postprocess", "postprocess")
     timed(StepOutput, "tolist", "wait")
+    if "guided" in llm.switched_on:  # its masks: inside run (sample), its in-flight wait in wait
+        timed(llm.switched_on["guided"], "before_sample", "guided")
     step = llm.step
 
     def step_wrapper():
@@ -206,6 +213,11 @@ def parse_args() -> argparse.Namespace:
                    help="also print the torch.profiler kernel tables")
     p.add_argument("--prefill", action="store_true",
                    help="only time and profile single prefill steps")
+    p.add_argument("--guided", default="off", choices=["off", "one", "each"],
+                   help="guide every request by one JSON schema, or each by its own (bench.py's)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="--guided: the tokenizer files to pair the model with (default: the "
+                        "packaged default model's; the random model's own accept no grammar)")
     p.add_argument("--json", help="write the per-group totals and every step's record here")
     return p.parse_args()
 
@@ -219,16 +231,20 @@ def main() -> None:
     else:  # a smoke test of this script on the CPU
         model_dir = build_random_qwen3(cache / "qwen3-tiny-random", QWEN3_TINY, "cpu")
         wl = make_w1(8, 16, 64, 8, 32) if args.workload == "w1" else make_w2(8, 64, 8, 16, 16)
+    if args.guided != "off":  # the model with a tokenizer whose tokens a grammar can accept
+        tokenizer = args.tokenizer or default_model_dir()
+        model_dir = resolve_model_dir(argparse.Namespace(model=model_dir, tiny=False,
+                                                         tokenizer=tokenizer), not CUDA)
     with LLM(model_dir, max_model_len=4096, enable_prefix_caching=not args.no_prefix_caching,
              overlap_scheduling=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype) as llm:
         warm = warmup_workload(wl)  # as bench.py does
-        llm.generate(warm.prompts, nanoserve_params(warm), use_tqdm=False)
+        llm.generate(warm.prompts, nanoserve_params(warm, args.guided), use_tqdm=False)
         if args.prefill:
             return prefill_timing(llm) if CUDA else None
         records = instrument(llm)
         before = torch.cuda.memory_stats() if CUDA else {}
         t = time.perf_counter()
-        llm.generate(wl.prompts, nanoserve_params(wl), use_tqdm=False)
+        llm.generate(wl.prompts, nanoserve_params(wl, args.guided, 1), use_tqdm=False)
         total = time.perf_counter() - t
         if CUDA:  # the caching allocator's slow paths: each can block the host
             after = torch.cuda.memory_stats()
@@ -236,7 +252,9 @@ def main() -> None:
                     "num_sync_all_streams")
             print("allocator during the run:",
                   {k: after.get(k, 0) - before.get(k, 0) for k in keys})
-        print(f"{args.workload}: {wl.output_tokens / total:,.0f} tokens/s (instrumented: timers)")
+        guided = "" if args.guided == "off" else f", guided ({args.guided})"
+        print(f"{args.workload}{guided}: {wl.output_tokens / total:,.0f} tokens/s (instrumented: "
+              "timers)")
         summary = summarize(records, total)
         if args.kernels and CUDA:
             for b, ctx in ((256, 600), (32, 1500)):
