@@ -135,6 +135,20 @@ def test_choice_greedy_and_sampled(llm, chat):
         assert out["text"] in choices and out["finish_reason"] == "stop", out
 
 
+
+def test_a_grammar_that_ended_leaves_the_rows_after_it_unmasked(llm, chat):
+    """ignore_eos runs a request past the stop token that ended its grammar: a choice, that
+    token, then rows no mask holds back (the grammar allows nothing more), to max_tokens."""
+    choice = GuidedDecodingParams(choice=["yes", "no"])
+    seq = llm.add_request(chat("Yes or no?"), SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, guided_decoding=choice))
+    while llm.has_unfinished():
+        llm.step()
+    ids, eos = seq.output_token_ids, llm.scheduler.eos_token_ids
+    end = next(i for i, token in enumerate(ids) if token in eos)
+    assert llm.tokenizer.decode(ids[:end]) in ("yes", "no") and len(ids) == 12
+    assert llm.switched_on["guided"].guides[seq].done
+
 def test_choices_and_enums_past_ascii(llm, chat):
     choices = ["😀 ok", "🙂 café"]  # past the BMP: surrogate pairs when escaped
     outs = llm.generate([chat("Pick one.")] * 2,

@@ -103,6 +103,7 @@ class Guide:
     """A guided request's place in its grammar."""
     matcher: xgr.GrammarMatcher
     num_tokens: int = 0  # output tokens the matcher took
+    done: bool = False  # the matcher took a stop token that ended its grammar: no mask is left
 
 
 def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide],
@@ -120,19 +121,19 @@ def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, G
             taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
             matchers.append(fork if taken and not fork.is_terminated() else None)
         else:
-            j, matcher = 0, guides[seq].matcher
-            matchers.append(None if matcher.is_terminated() else matcher)
+            j, guide = 0, guides[seq]
+            matchers.append(None if guide.done else guide.matcher)
     return matchers
 
 
 class Guided(Extension):
     def __init__(self, engine: LLMEngine) -> None:
         cfg, runner = engine.config, engine.model_runner
-        self.device, eos = runner.device, sorted(engine.scheduler.eos_token_ids)
+        self.device, self.eos = runner.device, frozenset(engine.scheduler.eos_token_ids)
         # the tokenizer's ids: the logits' ids past them (padding) have no text, and are refused
         self.vocab_size = min(len(engine.tokenizer), cfg.hf_config.vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=eos)
+                                                  stop_token_ids=sorted(self.eos))
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
         # four grammars compile at once, each on several threads of xgrammar's own
         self.compiling = ThreadPoolExecutor(4, "nanoserve-grammar")
@@ -204,19 +205,18 @@ class Guided(Extension):
     def _catch_up(self, num_rows: Counter[Sequence], guides: dict[Sequence, Guide],
                   in_flight: dict[Sequence, int]) -> None:
         """The matchers of the sequences (with their rows) take the tokens their sequences hold
-        and they have not taken, but the drafts (a draft's row takes its mask from a fork)."""
-        behind = []  # (guide, its tokens to take)
+        and they have not taken, but the drafts (a draft's row takes its mask from a fork). One
+        call a token: xgrammar's batch call holds Python's lock as long and adds a list."""
         for seq, rows in num_rows.items():
             guide = guides[seq]
             end = len(seq.token_ids) - (rows - 1)  # the drafts are the rows after the first
-            if tokens := seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:end]:
-                behind.append((guide, [in_flight.get(seq, t) if t == PENDING else t
-                                       for t in tokens]))
-                guide.num_tokens += len(tokens)
-        while behind:  # one token per matcher and call
-            xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in behind],
-                                                       [tokens.pop(0) for _, tokens in behind])
-            behind = [(guide, tokens) for guide, tokens in behind if tokens]
+            tokens = seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:end]
+            for token in tokens:
+                token = in_flight.get(seq, token) if token == PENDING else token
+                guide.matcher.accept_token(token)
+                # only a stop token ends a grammar: the one check of it a sequence needs
+                guide.done = guide.done or token in self.eos and guide.matcher.is_terminated()
+            guide.num_tokens += len(tokens)
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
