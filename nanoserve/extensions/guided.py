@@ -214,8 +214,8 @@ class Guided(Extension):
             for token in tokens:
                 token = in_flight.get(seq, token) if token == PENDING else token
                 guide.matcher.accept_token(token)
-                # only a stop token ends a grammar: the one check of it a sequence needs
-                guide.done = guide.done or token in self.eos and guide.matcher.is_terminated()
+                if token in self.eos:  # only a stop token ends a grammar: then ask the matcher
+                    guide.done = guide.matcher.is_terminated()
             guide.num_tokens += len(tokens)
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
