@@ -217,7 +217,7 @@ def parse_args() -> argparse.Namespace:
                    help="guide every request by one JSON schema, or each by its own (bench.py's)")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="--guided: the tokenizer files to pair the model with (default: the "
-                        "packaged default model's; the random model's own accept no grammar)")
+                        "packaged default model's: no grammar accepts the random model's own)")
     p.add_argument("--json", help="write the per-group totals and every step's record here")
     return p.parse_args()
 
