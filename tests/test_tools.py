@@ -202,6 +202,32 @@ def test_profile_steps_times_the_overlap_loops_own_halves(tmp_path: Path) -> Non
     assert all(r["postprocess"] > 0 for r in decode)
 
 
+def test_profile_steps_times_guided_decodings_hook_apart(tmp_path: Path) -> None:
+    """profile_steps --guided: the guided extension's before_sample is a phase of its own in each
+    step that samples (the tiny model paired with the default model's tokenizer, as --guided
+    pairs them: its first 1,001 ids hold the digits)."""
+    import argparse
+
+    from bench import QWEN3_TINY, resolve_model_dir
+    from bench_utils import build_random_qwen3
+    from nanoserve import LLM, GuidedDecodingParams, SamplingParams
+    from nanoserve.weights import default_model_dir
+    profile_steps = pytest.importorskip("profile_steps")
+    tiny = build_random_qwen3(tmp_path / "tiny", QWEN3_TINY, "cpu")
+    paired = resolve_model_dir(argparse.Namespace(model=tiny, tiny=False,
+                                                  tokenizer=default_model_dir()), True)
+    with LLM(paired, device="cpu", max_model_len=256) as llm:
+        llm.switch_on("guided")
+        records = profile_steps.instrument(llm)
+        digits = GuidedDecodingParams(regex="[0-9]{6}")
+        llm.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=6,
+                                                     guided_decoding=digits))
+        profile_steps.drain(llm)
+    # (the last call only collects the step the one before it launched: it runs nothing)
+    ran = [r for r in records if "run" in r]
+    assert len(ran) == 5 and all(r["guided"] > 0 for r in ran)
+
+
 # the slow tail: the samples the tool times are tests/test_samples.py's
 @pytest.mark.slow
 def test_samples_bench_runs_both_modes_on_the_same_sequences(monkeypatch: pytest.MonkeyPatch,
