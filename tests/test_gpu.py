@@ -414,3 +414,21 @@ def test_guided_decoding_on_the_gpu(model_dir):
     guided_outs = [[o["token_ids"] for o in outs[False, on][::2]] for on in (True, False)]
     assert guided_outs[0] == guided_outs[1]
     assert all(len(o["token_ids"]) == 24 for o in outs[False, True][1::2])
+
+
+@pytest.mark.parametrize("engine", ["hf", "hf-cb"])
+def test_bench_hugging_face_peers_on_the_gpu(tmp_path, engine, monkeypatch):
+    """bench.py's Hugging Face peers with the transformers installed here, as bench.py runs them
+    on a GPU (hf-cb sizes its own cache and captures its graphs): a small w2 end to end on the
+    tiny random Qwen3, every requested token returned. (Here, in the serial run, as hf-cb takes
+    most of the GPU's free memory while it runs.)"""
+    import argparse
+
+    import bench
+    import bench_utils
+    model = bench_utils.build_random_qwen3(tmp_path / "qwen3", bench.QWEN3_TINY, "cuda")
+    monkeypatch.setattr(bench, "MIN_TIMED_SECONDS", 0.0)
+    wl = bench.make_w2(num_seqs=3, prefix_len=16, min_own=4, max_own=8, output_len=4)
+    args = argparse.Namespace(eager=False, tp=1, hf_batch_size=2)
+    row = bench.run_engine(engine, bench.ENGINES[engine], model, wl, args, "cuda")
+    assert row.note == "" and row.tokens_per_s > 0, row.note
