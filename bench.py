@@ -40,6 +40,7 @@ model on small workloads, without a roofline.
 The HF peers take minutes on w1: split a long run with --engines/--workload, one --out each.
 """
 import argparse
+import atexit
 import contextlib
 import inspect
 import itertools
@@ -47,6 +48,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import statistics
 import struct
 import sys
@@ -221,6 +223,7 @@ def resolve_model_dir(args: argparse.Namespace, cpu: bool) -> str:
         return model_dir
     # a directory of links: the model's config and weights, the tokenizer's files
     paired = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
+    atexit.register(shutil.rmtree, paired, ignore_errors=True)  # links only: gone at exit
     for src in (model_dir, args.tokenizer):
         for f in Path(src).iterdir():
             if (src == model_dir) != f.name.startswith(("tokenizer", "special_tokens", "vocab",
