@@ -135,7 +135,6 @@ def test_choice_greedy_and_sampled(llm, chat):
         assert out["text"] in choices and out["finish_reason"] == "stop", out
 
 
-
 def test_a_grammar_that_ended_leaves_the_rows_after_it_unmasked(llm, chat):
     """ignore_eos runs a request past the stop token that ended its grammar: a choice, that
     token, then rows no mask holds back (the grammar allows nothing more), to max_tokens."""
@@ -148,6 +147,7 @@ def test_a_grammar_that_ended_leaves_the_rows_after_it_unmasked(llm, chat):
     end = next(i for i, token in enumerate(ids) if token in eos)
     assert llm.tokenizer.decode(ids[:end]) in ("yes", "no") and len(ids) == 12
     assert llm.switched_on["guided"].guides[seq].done
+
 
 def test_choices_and_enums_past_ascii(llm, chat):
     choices = ["😀 ok", "🙂 café"]  # past the BMP: surrogate pairs when escaped

@@ -300,7 +300,6 @@ def test_an_engine_that_fails_to_start_frees_its_model(monkeypatch):
     assert runner is None or not hasattr(runner, "kv_cache")
 
 
-
 def test_processes_that_start_together_convert_the_default_model_once(tmp_path, monkeypatch):
     """Engines started at once with no converted default model (pytest-xdist's workers, two
     servers): one converts, the others wait for it and load its directory (a second conversion

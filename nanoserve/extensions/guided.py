@@ -171,8 +171,8 @@ class Guided(Extension):
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
-        guides = {seqs[i]: self.guide(seqs[i]) for i in rows}
         num_rows = Counter(seqs[i] for i in rows)  # a sequence's row, then one per draft
+        guides = {seq: self.guide(seq) for seq in num_rows}
         # with overlap scheduling a sequence may end in the step in flight's token: wait for it
         pending = any(seq.token_ids[-1] == PENDING for seq in guides)
         in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
