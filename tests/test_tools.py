@@ -228,6 +228,16 @@ def test_profile_steps_times_guided_decodings_hook_apart(tmp_path: Path) -> None
     assert len(ran) == 5 and all(r["guided"] > 0 for r in ran)
 
 
+
+def test_guided_cost_times_the_hook_at_every_step_of_a_batch() -> None:
+    """guided_cost --batch N: N copies of the request at once; the hook is timed once a step
+    (not a row), on the steps that sample guided rows."""
+    guided_cost = pytest.importorskip("guided_cost")
+    figures = guided_cost.measure(tokens=4, runs=1, device="cpu", batch=3)
+    assert figures["batch"] == 3 and figures["before_sample_steps"] == 4
+    assert figures["before_sample_us"] > 0 and figures["guided_ms_per_token"] > 0
+
+
 # the slow tail: the samples the tool times are tests/test_samples.py's
 @pytest.mark.slow
 def test_samples_bench_runs_both_modes_on_the_same_sequences(monkeypatch: pytest.MonkeyPatch,

@@ -1,17 +1,22 @@
-"""guided_cost.py: what guided decoding costs a lone request (a developer tool, GPU).
+"""guided_cost.py: what guided decoding costs a lone request, or a batch (a developer tool, GPU).
 
-One greedy request on the default model (bf16 on a GPU), EOS ignored: unguided, then under
-bench.guided_schema (a JSON array longer than the output, so every token is masked). The engine's
-steps are timed one by one; the figures are medians over the decode steps of --runs requests of
-each kind, after an untimed one of each (compiles, kernels' first launches):
-- ms per output token, unguided and guided, and their ratio;
+One greedy request (--batch N: N copies of it at once) on the default model (bf16 on a GPU),
+EOS ignored: unguided, then under bench.guided_schema (a JSON array longer than the output, so
+every token is masked). The engine's steps are timed one by one; the figures are medians over the
+decode steps of --runs requests (or batches) of each kind, after an untimed one of each
+(compiles, kernels' first launches):
+- ms per output token (per step, at a batch), unguided and guided, and their ratio;
 - the guided extension's before_sample per step: its host time (taking the last tokens, filling
   the mask, launching the copies and the masking), timed after the step in flight's tokens are
   on the host (before_sample would wait for them).
 --profile N also runs the timed hook under cProfile and prints its N costliest functions (by
 their own time) to stderr: where the host time goes (the figures above then include cProfile's).
 
-    python tools/guided_cost.py [--tokens 200] [--runs 3] [--json out.json] [--profile 15]
+With --batch 256 the hook's host time is W1's at its largest batch (the rows' matchers take a
+token and fill a mask each, as in W1), on a model whose steps leave the host no slack.
+
+    python tools/guided_cost.py [--tokens 200] [--runs 3] [--batch 1] [--json out.json]
+                                [--profile 15]
 """
 import argparse
 import cProfile
@@ -31,10 +36,12 @@ from nanoserve import LLM, GuidedDecodingParams, SamplingParams  # noqa: E402
 PROMPT = "Give a list of people, with their names, ids and tags, as JSON."
 
 
-def step_times(llm: LLM, prompt: str, params: SamplingParams) -> list[float]:
-    """Seconds of each engine step of one request alone, after its first two (the prefill and
-    the first decode step, which the overlap loop launches before it postprocesses the prefill)."""
-    llm.add_request(prompt, params)
+def step_times(llm: LLM, prompt: str, params: SamplingParams, batch: int = 1) -> list[float]:
+    """Seconds of each engine step of `batch` copies of one request, after their first two (the
+    prefill and the first decode step, which the overlap loop launches before it postprocesses
+    the prefill)."""
+    for _ in range(batch):
+        llm.add_request(prompt, params)
     times = []
     while llm.has_unfinished():
         start = time.perf_counter()
@@ -44,15 +51,15 @@ def step_times(llm: LLM, prompt: str, params: SamplingParams) -> list[float]:
 
 
 def measure(tokens: int, runs: int, device: str = "auto",
-            profile: cProfile.Profile | None = None) -> dict:
+            profile: cProfile.Profile | None = None, batch: int = 1) -> dict:
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    with LLM(dtype=dtype, device=device) as llm:
+    with LLM(dtype=dtype, device=device, max_num_seqs=max(256, batch)) as llm:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                                    add_generation_prompt=True, tokenize=False)
         plain = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         guided = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
                                 guided_decoding=GuidedDecodingParams(json=guided_schema("name")))
-        step_times(llm, prompt, plain), step_times(llm, prompt, guided)  # warm-up, untimed
+        step_times(llm, prompt, plain, batch), step_times(llm, prompt, guided, batch)  # warm-up
         ext, masks = llm.switched_on["guided"], []
         before_sample = ext.before_sample
 
@@ -72,11 +79,11 @@ def measure(tokens: int, runs: int, device: str = "auto",
         ext.before_sample = timed
         steps = {"unguided": [], "guided": []}
         for _ in range(runs):  # the two kinds take turns
-            steps["unguided"] += step_times(llm, prompt, plain)
-            steps["guided"] += step_times(llm, prompt, guided)
+            steps["unguided"] += step_times(llm, prompt, plain, batch)
+            steps["guided"] += step_times(llm, prompt, guided, batch)
     ms = {kind: 1e3 * statistics.median(times) for kind, times in steps.items()}
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "dtype": dtype, "tokens": tokens, "runs": runs,
+            "dtype": dtype, "tokens": tokens, "runs": runs, "batch": batch,
             "unguided_ms_per_token": round(ms["unguided"], 4),
             "guided_ms_per_token": round(ms["guided"], 4),
             "guided_over_unguided": round(ms["guided"] / ms["unguided"], 3),
@@ -88,13 +95,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=200, help="output tokens a request (200)")
     p.add_argument("--runs", type=int, default=3, help="timed requests of each kind (3)")
+    p.add_argument("--batch", type=int, default=1, help="copies of the request at once (1)")
     p.add_argument("--device", default="auto", help="the engine's device (auto: the GPU if any)")
     p.add_argument("--json", help="write the figures here too")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile the hook; print its N costliest functions to stderr")
     args = p.parse_args()
     profile = cProfile.Profile() if args.profile else None
-    figures = measure(args.tokens, args.runs, args.device, profile)
+    figures = measure(args.tokens, args.runs, args.device, profile, args.batch)
     print(json.dumps(figures))
     if profile is not None:
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
