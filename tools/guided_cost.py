@@ -53,7 +53,7 @@ def step_times(llm: LLM, prompt: str, params: SamplingParams, batch: int = 1) ->
 def measure(tokens: int, runs: int, device: str = "auto",
             profile: cProfile.Profile | None = None, batch: int = 1) -> dict:
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    with LLM(dtype=dtype, device=device, max_num_seqs=max(256, batch)) as llm:
+    with LLM(dtype=dtype, device=device, max_num_seqs=max(512, batch)) as llm:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                                    add_generation_prompt=True, tokenize=False)
         plain = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
