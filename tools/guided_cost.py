@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import guided_schema  # noqa: E402
 from nanoserve import LLM, GuidedDecodingParams, SamplingParams  # noqa: E402
+from nanoserve.config import Config  # noqa: E402
 
 PROMPT = "Give a list of people, with their names, ids and tags, as JSON."
 
@@ -53,7 +54,7 @@ def step_times(llm: LLM, prompt: str, params: SamplingParams, batch: int = 1) ->
 def measure(tokens: int, runs: int, device: str = "auto",
             profile: cProfile.Profile | None = None, batch: int = 1) -> dict:
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    with LLM(dtype=dtype, device=device, max_num_seqs=max(512, batch)) as llm:
+    with LLM(dtype=dtype, device=device, max_num_seqs=max(Config.max_num_seqs, batch)) as llm:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                                    add_generation_prompt=True, tokenize=False)
         plain = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
