@@ -228,7 +228,6 @@ def test_profile_steps_times_guided_decodings_hook_apart(tmp_path: Path) -> None
     assert len(ran) == 5 and all(r["guided"] > 0 for r in ran)
 
 
-
 def test_guided_cost_times_the_hook_at_every_step_of_a_batch() -> None:
     """guided_cost --batch N: N copies of the request at once; the hook is timed once a step
     (not a row), on the steps that sample guided rows."""

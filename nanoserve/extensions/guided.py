@@ -190,13 +190,14 @@ class Guided(Extension):
         list(map(operator.call, fills) if n == 1 else self.filling.map(operator.call, fills))
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
-        bitmask, index = self.bitmask[:len(seqs)], self.rows[:len(live)]
-        if len(live) < len(seqs):  # the masked rows' index (none is read when all are masked)
+        bitmask, index = self.bitmask[:len(seqs)], None  # None: every row is masked
+        if len(live) < len(seqs):  # the masked rows' index
+            index = self.rows[:len(live)]
             index.numpy()[:] = [i for i, _ in live]
         if self.device.type == "cuda":  # queued after the forward pass, from pinned memory
-            bitmask, index = (t.to(self.device, non_blocking=True) for t in (bitmask, index))
+            bitmask = bitmask.to(self.device, non_blocking=True)
+            index = None if index is None else index.to(self.device, non_blocking=True)
             self.copied = torch.cuda.current_stream().record_event()
-        index = None if len(live) == len(seqs) else index
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=index)
         if self.vocab_size < logits.shape[-1]:
             logits[slice(None) if index is None else index, self.vocab_size:] = float("-inf")
