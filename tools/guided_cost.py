@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import guided_schema  # noqa: E402
 from nanoserve import LLM, GuidedDecodingParams, SamplingParams  # noqa: E402
 from nanoserve.config import Config  # noqa: E402
+from nanoserve.model_runner import Extension  # noqa: E402
 
 PROMPT = "Give a list of people, with their names, ids and tags, as JSON."
 
@@ -51,6 +52,36 @@ def step_times(llm: LLM, prompt: str, params: SamplingParams, batch: int = 1) ->
     return times[2:]
 
 
+class Start(Extension):
+    """Starts the clock (and the profile) before the guided hook, once the step in flight's
+    tokens are on the host: the hook's own host work is timed, not its wait for them."""
+
+    def __init__(self, guided: Extension, profile: cProfile.Profile | None) -> None:
+        self.guided, self.profile, self.started = guided, profile, 0.0
+
+    def before_sample(self, logits, seqs):
+        if self.guided.last is not None:
+            self.guided.last[1].tolist()
+        if self.profile is not None:
+            self.profile.enable()
+        self.started = time.perf_counter()
+        return logits
+
+
+class Stop(Extension):
+    """Stops them after the guided hook; keeps the seconds of the steps with a guided row."""
+
+    def __init__(self, start: Start, masks: list[float]) -> None:
+        self.start, self.masks, self.profile = start, masks, start.profile
+
+    def before_sample(self, logits, seqs):
+        if self.profile is not None:
+            self.profile.disable()
+        if any(seq.params.guided_decoding is not None for seq in seqs):
+            self.masks.append(time.perf_counter() - self.start.started)
+        return logits
+
+
 def measure(tokens: int, runs: int, device: str = "auto",
             profile: cProfile.Profile | None = None, batch: int = 1) -> dict:
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -62,22 +93,9 @@ def measure(tokens: int, runs: int, device: str = "auto",
                                 guided_decoding=GuidedDecodingParams(json=guided_schema("name")))
         step_times(llm, prompt, plain, batch), step_times(llm, prompt, guided, batch)  # warm-up
         ext, masks = llm.switched_on["guided"], []
-        before_sample = ext.before_sample
-
-        def timed(logits, seqs):  # the extension's hook, timed (a developer tool's wrapper)
-            if ext.last is not None:  # its host work alone: not the wait for the step in flight
-                ext.last[1].tolist()
-            if profile is not None:
-                profile.enable()
-            start = time.perf_counter()
-            masked = before_sample(logits, seqs)
-            if profile is not None:
-                profile.disable()
-            if any(seq.params.guided_decoding is not None for seq in seqs):
-                masks.append(time.perf_counter() - start)
-            return masked
-
-        ext.before_sample = timed
+        # the hook timed by two Extensions of this tool's, one on each side of it in the list
+        at, start = llm.extensions.index(ext), Start(ext, profile)
+        llm.extensions[at:at + 1] = [start, ext, Stop(start, masks)]
         steps = {"unguided": [], "guided": []}
         for _ in range(runs):  # the two kinds take turns
             steps["unguided"] += step_times(llm, prompt, plain, batch)
