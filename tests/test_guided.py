@@ -257,12 +257,12 @@ def test_logprobs_and_streaming(llm, chat):
 
 
 def test_masks_fill_on_threads_and_into_buffers_made_once(llm, chat, monkeypatch):
-    """Past pool_rows rows the masks fill on the filling pool, each run of rows on one thread
-    (xgrammar's own pool starts and joins its threads at every call). The threads and the pinned
-    buffers are made once: 20 steps start at most the pool's threads, make no BatchGrammarMatcher
-    and pin no memory (on CUDA a fresh pinned buffer would), and the pool's masks are the engine
-    thread's. 16 sequences (every fourth unguided, so the masked rows are an index) step on
-    random logits, each row taking its argmax."""
+    """With rows_per_filler rows or more a filler, the masks fill on the filling pool, each run
+    of rows on one thread (xgrammar's own pool starts and joins its threads at every call). The
+    threads and the pinned buffers are made once: 20 steps start at most the pool's threads, make
+    no BatchGrammarMatcher and pin no memory (on CUDA a fresh pinned buffer would), and the pool's
+    masks are the engine thread's. 16 sequences (every fourth unguided, so the masked rows are an
+    index) step on random logits, each row taking its argmax."""
     made, started, pinned = [], [], []
 
     class Recorded(xgr.BatchGrammarMatcher):
@@ -278,9 +278,9 @@ def test_masks_fill_on_threads_and_into_buffers_made_once(llm, chat, monkeypatch
     params = [SamplingParams(temperature=0) if i % 4 == 3  # a schema each, longer than 20 tokens
               else guided(json=guided_schema(f"key_{i}")) for i in range(16)]
     tokens = {}
-    for pool_rows in [128, 0]:
+    for rows_per_filler in [16, 1]:  # 12 guided rows: on the engine's thread, on the pool
         ext = Guided(llm)
-        ext.pool_rows, made_first = pool_rows, len(made)
+        ext.rows_per_filler, made_first = rows_per_filler, len(made)
         seqs = [Sequence(p, sp, llm.config.kvcache_block_size) for p, sp in zip(prompts, params)]
         logits = torch.Generator().manual_seed(0)
         with monkeypatch.context() as m:
@@ -292,8 +292,8 @@ def test_masks_fill_on_threads_and_into_buffers_made_once(llm, chat, monkeypatch
                 masked = ext.before_sample(scores.to(ext.device), seqs)
                 for seq, token in zip(seqs, masked.argmax(-1).tolist()):
                     seq.token_ids.append(token)
-        tokens[pool_rows] = [seq.output_token_ids for seq in seqs]
+        tokens[rows_per_filler] = [seq.output_token_ids for seq in seqs]
         assert len(made) == made_first and set(made) == {1}  # one thread each, made before
         assert len(started) <= len(ext.fillers) and not pinned
-    assert tokens[0] == tokens[128]
-    assert all(llm.tokenizer.decode(tokens[0][i]).startswith('[{') for i in range(16) if i % 4 < 3)
+    assert tokens[1] == tokens[16]
+    assert all(llm.tokenizer.decode(tokens[1][i]).startswith('[{') for i in range(16) if i % 4 < 3)

@@ -12,7 +12,7 @@ Every step, before the sampler, while the GPU runs the step's forward pass:
    last step's, and with overlap scheduling the token of the step in flight, read from its output
    once it is on the host;
 2. the matchers fill a bitmask of the tokens allowed next into buffers made once (on the
-   engine's thread, or past POOL_ROWS rows on a pool of threads made once, a run of rows each);
+   engine's thread, or on a pool of threads made once, ROWS_PER_FILLER rows or more each);
 3. the disallowed logits of those rows become -inf; unguided rows are not touched.
 With speculative decoding a draft's row takes its mask from a fork of the matcher that took the
 drafts before it; the forks are dropped after the step, so nothing needs rolling back.
@@ -44,9 +44,9 @@ from nanoserve.sequence import Sequence
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
 # xgrammar's own pool starts and joins its threads at every fill (docs/guided_decoding.md has the
-# figures): rows are filled on the engine's thread up to POOL_ROWS, past it on WORKERS threads
-# that live as long as the engine, each filling a run of rows on one thread (vLLM: at most 8)
-POOL_ROWS = 128
+# figures): rows fill on up to WORKERS threads that live as long as the engine (vLLM: at most 8),
+# each filling a run of at least ROWS_PER_FILLER rows on one thread; fewer on the engine's thread
+ROWS_PER_FILLER = 16
 WORKERS = min(8, max(2, (os.cpu_count() or 2) // 2))
 # an EBNF string literal, escaped as a JSON string but with characters past ASCII as they are:
 # escaped, one past the BMP becomes a surrogate pair, which xgrammar reads as two characters
@@ -137,8 +137,9 @@ class Guided(Extension):
         self.compiler = xgr.GrammarCompiler(info)  # caches compiled grammars by their text
         # four grammars compile at once, each on several threads of xgrammar's own
         self.compiling = ThreadPoolExecutor(4, "nanoserve-grammar")
-        # up to pool_rows rows fill on this thread, more on the filling pool's: one filler each
-        self.pool_rows, self.filling = POOL_ROWS, ThreadPoolExecutor(WORKERS, "nanoserve-fill")
+        # a filler for each thread of the filling pool, rows_per_filler rows or more each
+        self.filling = ThreadPoolExecutor(WORKERS, "nanoserve-fill")
+        self.rows_per_filler = ROWS_PER_FILLER
         self.fillers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(WORKERS)]
         # made once: the masks (rows, V / 32) and the masked rows (rows,) on the host, pinned on
         # CUDA; `copied` marks the end of their last copies to the GPU
@@ -181,9 +182,9 @@ class Guided(Extension):
             self.copied.synchronize()
         self._catch_up(num_rows, guides, in_flight)
         live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides, num_rows)) if m]
-        # past pool_rows rows filler j fills every n-th row from the j-th, on the pool's threads,
-        # in C++ alone (Python in n threads would queue for the GIL)
-        n = 1 if len(live) <= self.pool_rows else len(self.fillers)
+        # filler j fills every n-th row from the j-th, on the pool's threads past one filler, in
+        # C++ alone (Python in n threads would queue for the GIL)
+        n = max(1, min(len(self.fillers), len(live) // self.rows_per_filler))
         fills = [functools.partial(filler.batch_fill_next_token_bitmask, [m for _, m in live[j::n]],
                                    self.bitmask, [i for i, _ in live[j::n]])
                  for j, filler in enumerate(self.fillers[:n])]
