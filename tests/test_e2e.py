@@ -375,7 +375,7 @@ def test_fp8_kv_cache_teacher_forced(model_dir, prompts, hf_model, hf_outputs):
     assert margin <= NEAR_TIE
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the cache read end to end: test_fp8_kv_cache_teacher_forced
 def test_fp8_prefill_reads_what_the_cache_holds(model_dir, prompts):
     """With an fp8 cache a prompt's next-token logprobs do not depend on whether its prefix was
     cached: a prefill without hits attends over K and V rounded as the cache holds them, as one

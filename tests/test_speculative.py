@@ -96,7 +96,7 @@ def test_editing_prompts_accept_drafts_and_keep_their_tokens(model_dir, editing)
     assert sum(s.num_sampled for s in decodes) + len(editing) == sum(map(len, on))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # its tokens: test_greedy_matches_transformers_with_speculation's promise
 def test_a_large_batch_that_proposes_nothing_runs_overlapped(model_dir, prompts, greedy_reference,
                                                              monkeypatch):
     """Past SMALL_BATCH sequences, a decode without drafts hands PROBE_EVERY steps to the overlap

@@ -214,7 +214,7 @@ def check_grid(timeline: Timeline) -> None:
         assert list(line) == expected
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the trace: test_e2e.py::test_text_prompts_and_trace
 def test_trace_shows_in_a_plain_program_and_never_on_the_bar_line(tmp_path):
     """NANOSERVE_TRACE=1, no logging configured, a progress bar: the trace reaches stderr, and
     no line a terminal shows holds both the bar and a trace line. The same run draws its
