@@ -343,7 +343,7 @@ def repo_unchanged(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
             path.unlink()
 
 
-@pytest.mark.slow  # the bench itself: the smoke tests
+@pytest.mark.slow  # where bench.py writes with no output path: only the tail checks it
 def test_bench_writes_into_results_not_docs(tiny_model, monkeypatch, main_logging):
     """A smoke run and a redraw with no output path: results/, never docs/ or a tracked file."""
     monkeypatch.setattr(bench, "resolve_model_dir", lambda args, cpu: tiny_model)

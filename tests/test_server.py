@@ -884,7 +884,7 @@ def test_the_wire_decodes_its_own_types_only(tmp_path):
     assert not (tmp_path / "canary").exists()
 
 
-@pytest.mark.slow  # the wire's decoding: test_the_wire_decodes_its_own_types_only
+@pytest.mark.slow  # decoding: test_the_wire_decodes_its_own_types_only; the keys: the tail only
 def test_a_forged_message_runs_nothing_and_a_stranger_is_refused(server, tmp_path):
     """At the replicas' port: a peer without keys, one with keys of its own, and one with the
     replicas' keys but a pickle for a message: none makes the canary. Meanwhile a short soak

@@ -239,7 +239,7 @@ def test_a_worker_that_dies_starting_fails_at_once(tiny_qwen3, tmp_path):
     assert "if __name__ == '__main__'" in proc.stderr  # spawn's message, from the worker
 
 
-@pytest.mark.slow  # beside the slow tail's other worker failures
+@pytest.mark.slow  # an error path, like the tail's other worker failures: only the tail runs it
 def test_worker_error_reaches_rank0(tiny_qwen3):
     """A worker that raises (asked for a method it lacks) exits; rank 0 raises its traceback."""
     llm = LLM(tiny_qwen3, max_model_len=256, device="cpu", tensor_parallel_size=2)
