@@ -30,6 +30,7 @@ import os
 import re
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -100,30 +101,11 @@ def parse(kind: str, text: str) -> xgr.Grammar:
 
 @dataclass
 class Guide:
-    """A guided request's place in its grammar."""
-    matcher: xgr.GrammarMatcher
+    """A guided request's grammar, compiling from its arrival, then its place in it."""
+    grammar: Future  # the compiled grammar
+    matcher: xgr.GrammarMatcher | None = None  # made on the request's first sampled step
     num_tokens: int = 0  # output tokens the matcher took
     done: bool = False  # the matcher took a stop token that ended its grammar: no mask is left
-
-
-def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide],
-                 num_rows: Counter[Sequence]) -> list[xgr.GrammarMatcher | None]:
-    """The matcher whose state each guided row samples in (None: leave the row unmasked):
-    its sequence's, or with speculative decoding a fork that took the drafts before the row
-    (None where the grammar refuses one: verification then stops before the row). num_rows:
-    each sequence's rows."""
-    matchers, j = [], 0
-    for i in rows:
-        seq = seqs[i]
-        if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
-            j, fork = j + 1, matchers[-1] and matchers[-1].fork()
-            # (the drafts are the sequence's last num_rows - 1 tokens)
-            taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
-            matchers.append(fork if taken and not fork.is_terminated() else None)
-        else:
-            j, guide = 0, guides[seq]
-            matchers.append(None if guide.done else guide.matcher)
-    return matchers
 
 
 class Guided(Extension):
@@ -149,22 +131,24 @@ class Guided(Extension):
                    torch.zeros(cfg.max_num_seqs * (1 + k), dtype=torch.int32))
         self.bitmask, self.rows = (b.pin_memory() for b in buffers) if cuda else buffers
         self.copied: torch.cuda.Event | None = None
-        # per guided sequence, as long as it lives: its compiled grammar, then its Guide
-        self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
-        self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
+        # each guided sequence's Guide by its seq_id, as long as the sequence lives (a plain
+        # dict: a weak one makes a weak reference at every look-up, 256 a step)
+        self.guides: dict[int, Guide] = {}
         self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step sampled
 
     def on_request(self, seq: Sequence, streamed: bool) -> None:
         """Start compiling a guided request's grammar, on the pool's threads."""
-        if seq.params.guided_decoding is not None and seq not in self.grammars:
-            self.grammars[seq] = self.compiling.submit(
-                self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source))
+        if seq.params.guided_decoding is not None and seq.seq_id not in self.guides:
+            self.guides[seq.seq_id] = Guide(self.compiling.submit(
+                self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source)))
+            weakref.finalize(seq, self.guides.pop, seq.seq_id, None)  # gone with the sequence
 
     def guide(self, seq: Sequence) -> Guide:
-        """seq's Guide, made on first use (waiting for its grammar to compile)."""
-        if (guide := self.guides.get(seq)) is None:
-            self.on_request(seq, streamed=False)  # (a request that came before the extension)
-            guide = self.guides[seq] = Guide(xgr.GrammarMatcher(self.grammars[seq].result()))
+        """seq's Guide, its matcher made on first use (waiting for its grammar to compile)."""
+        self.on_request(seq, streamed=False)  # (for a request that came before the extension)
+        guide = self.guides[seq.seq_id]
+        if guide.matcher is None:
+            guide.matcher = xgr.GrammarMatcher(guide.grammar.result())
         return guide
 
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -172,16 +156,10 @@ class Guided(Extension):
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
-        num_rows = Counter(seqs[i] for i in rows)  # a sequence's row, then one per draft
-        guides = {seq: self.guide(seq) for seq in num_rows}
-        # with overlap scheduling a sequence may end in the step in flight's token: wait for it
-        pending = any(seq.token_ids[-1] == PENDING for seq in guides)
-        in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
         if self.copied is not None:  # the buffers' last copies left them (in decode long since:
-            # they came before the tokens waited for above)
+            # they came before the step in flight's tokens)
             self.copied.synchronize()
-        self._catch_up(num_rows, guides, in_flight)
-        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides, num_rows)) if m]
+        live = self._row_matchers(seqs, rows)
         # filler j fills every n-th row from the j-th, on the pool's threads past one filler, in
         # C++ alone (Python in n threads would queue for the GIL)
         n = max(1, min(len(self.fillers), len(live) // self.rows_per_filler))
@@ -204,21 +182,44 @@ class Guided(Extension):
             logits[slice(None) if index is None else index, self.vocab_size:] = float("-inf")
         return logits
 
-    def _catch_up(self, num_rows: Counter[Sequence], guides: dict[Sequence, Guide],
-                  in_flight: dict[Sequence, int]) -> None:
-        """The matchers of the sequences (with their rows) take the tokens their sequences hold
-        and they have not taken, but the drafts (a draft's row takes its mask from a fork). One
-        call a token: xgrammar's batch call holds Python's lock as long and adds a list."""
-        for seq, rows in num_rows.items():
-            guide = guides[seq]
-            end = len(seq.token_ids) - (rows - 1)  # the drafts are the rows after the first
-            tokens = seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:end]
-            for token in tokens:
-                token = in_flight.get(seq, token) if token == PENDING else token
-                guide.matcher.accept_token(token)
-                if token in self.eos:  # only a stop token ends a grammar: then ask the matcher
-                    guide.done = guide.matcher.is_terminated()
-            guide.num_tokens += len(tokens)
+    def _row_matchers(self, seqs: list[Sequence],
+                      rows: list[int]) -> list[tuple[int, xgr.GrammarMatcher]]:
+        """(row, matcher) for each guided row that samples in a grammar, in one pass over the
+        rows: a sequence's first row, its matcher, once that took the tokens its sequence holds
+        and it has not taken but the drafts; with speculative decoding, draft j's row a fork that
+        took the drafts before it (none past a draft the grammar refuses: verification stops
+        there). A finished grammar's rows are left unmasked."""
+        num_rows = Counter(seqs[i] for i in rows)  # a sequence's row, then one per draft
+        # the step in flight's tokens (overlap scheduling), waited for on first need
+        in_flight = functools.cache(lambda: dict(zip(self.last[0], self.last[1].tolist())))
+        matchers, matcher, j = [], None, 0
+        for i in rows:
+            seq = seqs[i]
+            if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
+                j, fork = j + 1, matcher and matcher.fork()
+                # (the drafts are the sequence's last num_rows - 1 tokens)
+                taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
+                matcher = fork if taken and not fork.is_terminated() else None
+            else:
+                j, guide = 0, self._catch_up(seq, num_rows[seq] - 1, in_flight)
+                matcher = None if guide.done else guide.matcher
+            matchers.append(matcher)
+        return [(i, m) for i, m in zip(rows, matchers) if m is not None]
+
+    def _catch_up(self, seq: Sequence, num_drafts: int, in_flight: Callable[[], dict]) -> Guide:
+        """seq's Guide, its matcher having taken the tokens seq holds that it has not taken, but
+        the drafts. One call a token: xgrammar's batch call holds Python's lock as long and adds
+        a list."""
+        guide = self.guide(seq)
+        start, end = seq.num_prompt_tokens + guide.num_tokens, len(seq.token_ids) - num_drafts
+        tokens = seq.token_ids[start:end]
+        for token in tokens:
+            token = in_flight()[seq] if token == PENDING else token
+            guide.matcher.accept_token(token)
+            if token in self.eos:  # only a stop token ends a grammar: then ask the matcher
+                guide.done = guide.matcher.is_terminated()
+        guide.num_tokens += len(tokens)
+        return guide
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
