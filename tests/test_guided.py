@@ -146,11 +146,7 @@ def test_a_grammar_that_ended_leaves_the_rows_after_it_unmasked(llm, chat):
     ids, eos = seq.output_token_ids, llm.scheduler.eos_token_ids
     end = next(i for i, token in enumerate(ids) if token in eos)
     assert llm.tokenizer.decode(ids[:end]) in ("yes", "no") and len(ids) == 12
-    guides = llm.switched_on["guided"].guides
-    assert guides[seq.seq_id].done
-    del seq  # a Guide lives as long as its sequence (the extension keeps the last step's)
-    llm.generate([chat("Hi")], SamplingParams(max_tokens=2))
-    assert not guides
+    assert llm.switched_on["guided"].guides[seq].done
 
 
 def test_choices_and_enums_past_ascii(llm, chat):

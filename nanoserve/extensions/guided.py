@@ -12,8 +12,7 @@ Every step, before the sampler, while the GPU runs the step's forward pass:
    last step's, and with overlap scheduling the token of the step in flight, read from its output
    once it is on the host;
 2. the matchers fill a bitmask of the tokens allowed next into buffers made once (on the
-   engine's thread, or on a pool of threads made once, ROWS_PER_FILLER rows or more each, where
-   each thread's matchers also take step 1's lone tokens: xgrammar's C++ lets go of the GIL);
+   engine's thread, or on a pool of threads made once, ROWS_PER_FILLER rows or more each);
 3. the disallowed logits of those rows become -inf; unguided rows are not touched.
 With speculative decoding a draft's row takes its mask from a fork of the matcher that took the
 drafts before it; the forks are dropped after the step, so nothing needs rolling back.
@@ -26,11 +25,11 @@ Logprobs are the model's, before the mask.
 """
 import functools
 import json
+import operator
 import os
 import re
 import weakref
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -101,11 +100,30 @@ def parse(kind: str, text: str) -> xgr.Grammar:
 
 @dataclass
 class Guide:
-    """A guided request's grammar, compiling from its arrival, then its place in it."""
-    grammar: Future  # the compiled grammar
-    matcher: xgr.GrammarMatcher | None = None  # made on the request's first sampled step
+    """A guided request's place in its grammar."""
+    matcher: xgr.GrammarMatcher
     num_tokens: int = 0  # output tokens the matcher took
     done: bool = False  # the matcher took a stop token that ended its grammar: no mask is left
+
+
+def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide],
+                 num_rows: Counter[Sequence]) -> list[xgr.GrammarMatcher | None]:
+    """The matcher whose state each guided row samples in (None: leave the row unmasked):
+    its sequence's, or with speculative decoding a fork that took the drafts before the row
+    (None where the grammar refuses one: verification then stops before the row). num_rows:
+    each sequence's rows."""
+    matchers, j = [], 0
+    for i in rows:
+        seq = seqs[i]
+        if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
+            j, fork = j + 1, matchers[-1] and matchers[-1].fork()
+            # (the drafts are the sequence's last num_rows - 1 tokens)
+            taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
+            matchers.append(fork if taken and not fork.is_terminated() else None)
+        else:
+            j, guide = 0, guides[seq]
+            matchers.append(None if guide.done else guide.matcher)
+    return matchers
 
 
 class Guided(Extension):
@@ -124,46 +142,59 @@ class Guided(Extension):
         self.rows_per_filler = ROWS_PER_FILLER
         self.fillers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(WORKERS)]
         # made once: the masks (rows, V / 32) and the masked rows (rows,) on the host, pinned on
-        # CUDA (a row per draft too); `copied` marks the end of their last copies to the GPU
-        k = cfg.num_speculative_tokens if cfg.speculative_method else 0
-        cuda, rows = self.device.type == "cuda", cfg.max_num_seqs * (1 + k)
-        buffers = (xgr.allocate_token_bitmask(rows, self.vocab_size),
-                   torch.zeros(rows, dtype=torch.int32))
+        # CUDA; `copied` marks the end of their last copies to the GPU
+        k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
+        cuda = self.device.type == "cuda"
+        buffers = (xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), self.vocab_size),
+                   torch.zeros(cfg.max_num_seqs * (1 + k), dtype=torch.int32))
         self.bitmask, self.rows = (b.pin_memory() for b in buffers) if cuda else buffers
         self.copied: torch.cuda.Event | None = None
-        # each guided sequence's Guide by its seq_id, as long as the sequence lives (a plain
-        # dict: a weak one makes a weak reference at every look-up, 256 a step)
-        self.guides: dict[int, Guide] = {}
+        # per guided sequence, as long as it lives: its compiled grammar, then its Guide
+        self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
+        self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
         self.last: tuple[list[Sequence], StepOutput] | None = None  # the last step sampled
 
     def on_request(self, seq: Sequence, streamed: bool) -> None:
         """Start compiling a guided request's grammar, on the pool's threads."""
-        if seq.params.guided_decoding is not None and seq.seq_id not in self.guides:
-            self.guides[seq.seq_id] = Guide(self.compiling.submit(
-                self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source)))
-            weakref.finalize(seq, self.guides.pop, seq.seq_id, None)  # gone with the sequence
+        if seq.params.guided_decoding is not None and seq not in self.grammars:
+            self.grammars[seq] = self.compiling.submit(
+                self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source))
+
+    def guide(self, seq: Sequence) -> Guide:
+        """seq's Guide, made on first use (waiting for its grammar to compile)."""
+        if (guide := self.guides.get(seq)) is None:
+            self.on_request(seq, streamed=False)  # (a request that came before the extension)
+            guide = self.guides[seq] = Guide(xgr.GrammarMatcher(self.grammars[seq].result()))
+        return guide
 
     def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """logits (S, V) with -inf where a guided row's grammar refuses the token."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
+        num_rows = Counter(seqs[i] for i in rows)  # a sequence's row, then one per draft
+        guides = {seq: self.guide(seq) for seq in num_rows}
+        # with overlap scheduling a sequence may end in the step in flight's token: wait for it
+        pending = any(seq.token_ids[-1] == PENDING for seq in guides)
+        in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
         if self.copied is not None:  # the buffers' last copies left them (in decode long since:
-            # they came before the step in flight's tokens)
+            # they came before the tokens waited for above)
             self.copied.synchronize()
-        # filler j takes the tokens left to it and fills the masks of every n-th row from the
-        # j-th: past one filler on the pool's threads, in xgrammar's C++, which lets go of the GIL
-        # (the rows' Python runs here, once: Python in n threads would queue for the GIL)
-        n = max(1, min(len(self.fillers), len(rows) // self.rows_per_filler))
-        live = self._row_matchers(seqs, rows, defer=n > 1)
-        parts = [live[j::n] for j in range(n)]  # filler j's rows
-        list((map if n == 1 else self.filling.map)(self._take_and_fill, self.fillers, parts))
+        self._catch_up(num_rows, guides, in_flight)
+        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides, num_rows)) if m]
+        # filler j fills every n-th row from the j-th, on the pool's threads past one filler, in
+        # C++ alone (Python in n threads would queue for the GIL)
+        n = max(1, min(len(self.fillers), len(live) // self.rows_per_filler))
+        fills = [functools.partial(filler.batch_fill_next_token_bitmask, [m for _, m in live[j::n]],
+                                   self.bitmask, [i for i, _ in live[j::n]])
+                 for j, filler in enumerate(self.fillers[:n])]
+        list(map(operator.call, fills) if n == 1 else self.filling.map(operator.call, fills))
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
         bitmask, index = self.bitmask[:len(seqs)], None  # None: every row is masked
         if len(live) < len(seqs):  # the masked rows' index
             index = self.rows[:len(live)]
-            index.numpy()[:] = [i for i, _, _ in live]
+            index.numpy()[:] = [i for i, _ in live]
         if self.device.type == "cuda":  # queued after the forward pass, from pinned memory
             bitmask = bitmask.to(self.device, non_blocking=True)
             index = None if index is None else index.to(self.device, non_blocking=True)
@@ -173,57 +204,21 @@ class Guided(Extension):
             logits[slice(None) if index is None else index, self.vocab_size:] = float("-inf")
         return logits
 
-    def _row_matchers(self, seqs: list[Sequence], rows: list[int],
-                      defer: bool) -> list[tuple[int, xgr.GrammarMatcher, int | None]]:
-        """(row, matcher, token left to take) for each guided row that samples in a grammar, in
-        one pass over the rows: a sequence's first row, its matcher, once that took the tokens its
-        sequence holds and it has not taken but the drafts (with `defer`, but a lone one that
-        cannot end the grammar: its filler takes it); with speculative decoding, draft j's row a
-        fork that took the drafts before it (none past a draft the grammar refuses: verification
-        stops there). A finished grammar's rows are left unmasked."""
-        num_rows = Counter(seqs[i] for i in rows)  # a sequence's row, then one per draft
-        # the step in flight's tokens (overlap scheduling), waited for on first need
-        in_flight = functools.cache(lambda: dict(zip(self.last[0], self.last[1].tolist())))
-        found, matcher, j = [], None, 0
-        for i in rows:
-            seq = seqs[i]
-            if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
-                j, fork, token = j + 1, matcher and matcher.fork(), None
-                # (the drafts are the sequence's last num_rows - 1 tokens)
-                taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
-                matcher = fork if taken and not fork.is_terminated() else None
-            else:
-                j, (guide, token) = 0, self._catch_up(seq, num_rows[seq] - 1, in_flight, defer)
-                matcher = None if guide.done else guide.matcher
-            found.append((i, matcher, token))
-        return [row for row in found if row[1] is not None]
-
-    def _catch_up(self, seq: Sequence, num_drafts: int, in_flight: Callable[[], dict],
-                  defer: bool) -> tuple[Guide, int | None]:
-        """seq's Guide, its matcher having taken the tokens seq holds that it has not taken, but
-        the drafts; and the token left to its filler (with `defer`, a lone one that cannot end
-        the grammar), else None. The matcher is made on first use (waiting for the grammar)."""
-        self.on_request(seq, streamed=False)  # (for a request that came before the extension)
-        guide = self.guides[seq.seq_id]
-        guide.matcher = guide.matcher or xgr.GrammarMatcher(guide.grammar.result())
-        start, end = seq.num_prompt_tokens + guide.num_tokens, len(seq.token_ids) - num_drafts
-        tokens = [in_flight()[seq] if t == PENDING else t for t in seq.token_ids[start:end]]
-        guide.num_tokens += len(tokens)
-        if defer and not num_drafts and len(tokens) == 1 and tokens[0] not in self.eos:
-            return guide, tokens[0]
-        for token in tokens:
-            guide.matcher.accept_token(token)
-            if token in self.eos:  # only a stop token ends a grammar: then ask the matcher
-                guide.done = guide.matcher.is_terminated()
-        return guide, None
-
-    def _take_and_fill(self, filler: xgr.BatchGrammarMatcher, part: list) -> None:
-        """part's (row, matcher, token left to take or None): the matchers take their tokens,
-        then fill their rows' masks, in xgrammar's C++, which lets go of the GIL."""
-        filler.batch_accept_token([m for _, m, t in part if t is not None],
-                                  [t for _, _, t in part if t is not None])
-        filler.batch_fill_next_token_bitmask([m for _, m, _ in part], self.bitmask,
-                                             [i for i, _, _ in part])
+    def _catch_up(self, num_rows: Counter[Sequence], guides: dict[Sequence, Guide],
+                  in_flight: dict[Sequence, int]) -> None:
+        """The matchers of the sequences (with their rows) take the tokens their sequences hold
+        and they have not taken, but the drafts (a draft's row takes its mask from a fork). One
+        call a token: xgrammar's batch call holds Python's lock as long and adds a list."""
+        for seq, rows in num_rows.items():
+            guide = guides[seq]
+            end = len(seq.token_ids) - (rows - 1)  # the drafts are the rows after the first
+            tokens = seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:end]
+            for token in tokens:
+                token = in_flight.get(seq, token) if token == PENDING else token
+                guide.matcher.accept_token(token)
+                if token in self.eos:  # only a stop token ends a grammar: then ask the matcher
+                    guide.done = guide.matcher.is_terminated()
+            guide.num_tokens += len(tokens)
 
     def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
                      out: StepOutput) -> None:
