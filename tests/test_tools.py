@@ -237,6 +237,26 @@ def test_guided_cost_times_the_hook_at_every_step_of_a_batch() -> None:
     assert figures["before_sample_us"] > 0 and figures["guided_ms_per_token"] > 0
 
 
+def test_guided_hook_times_the_hook_and_its_parts_without_a_model(model_dir: str) -> None:
+    """guided_hook: the hook on a stand-in engine masks every row (each row's argmax, drawn
+    from random logits, starts its schema's JSON), and xgrammar's parts are timed at a few
+    rows."""
+    guided_hook = pytest.importorskip("guided_hook")
+    from transformers import AutoTokenizer
+
+    from nanoserve.extensions import guided
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    times, seqs = guided_hook.run_hook(guided, tokenizer, rows=3, each=True, steps=4)
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert all(tokenizer.decode(seq.output_token_ids).startswith('[{"k') for seq in seqs)
+    compiler = guided_hook.xgr.GrammarCompiler(guided_hook.xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=len(tokenizer)))
+    parts = guided_hook.parts_us(compiler, tokenizer, rows=4, depth=3, each=False)
+    assert set(parts) >= {"take_one_by_one", "fill_engine_thread", "fill_pool_8"}
+    assert all(us > 0 for us in parts.values())
+
+
 # the slow tail: the samples the tool times are tests/test_samples.py's
 @pytest.mark.slow
 def test_samples_bench_runs_both_modes_on_the_same_sequences(monkeypatch: pytest.MonkeyPatch,

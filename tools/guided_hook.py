@@ -65,8 +65,9 @@ def stand_in(tokenizer, rows: int) -> types.SimpleNamespace:
                                      eos_token_ids=[tokenizer.eos_token_id]), tokenizer=tokenizer)
 
 
-def hook_us(module, tokenizer, rows: int, each: bool, warm: int = 40, steps: int = 80) -> float:
-    """before_sample's median over `steps` steps, after `warm` untimed ones."""
+def run_hook(module, tokenizer, rows: int, each: bool,
+             steps: int) -> tuple[list[float], list[Sequence]]:
+    """before_sample's seconds at each of `steps` steps, and the sequences it guided."""
     ext = module.Guided(stand_in(tokenizer, rows))
     prompt = tokenizer.encode("Give a list of people as JSON.")
     seqs = [Sequence(prompt, SamplingParams(temperature=0, max_tokens=10_000, guided_decoding=(
@@ -77,7 +78,7 @@ def hook_us(module, tokenizer, rows: int, each: bool, warm: int = 40, steps: int
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     base = torch.randn(rows, len(tokenizer), device=DEVICE, generator=gen)
     times = []
-    for _ in range(warm + steps):
+    for _ in range(steps):
         logits = base + 4 * torch.rand(base.shape, device=DEVICE, generator=gen)
         synchronize()
         start = time.perf_counter()
@@ -85,6 +86,12 @@ def hook_us(module, tokenizer, rows: int, each: bool, warm: int = 40, steps: int
         times.append(time.perf_counter() - start)
         for seq, token in zip(seqs, masked.argmax(-1).tolist()):
             seq.token_ids.append(token)
+    return times, seqs
+
+
+def hook_us(module, tokenizer, rows: int, each: bool, warm: int = 40, steps: int = 80) -> float:
+    """before_sample's median over `steps` steps, after `warm` untimed ones."""
+    times, _ = run_hook(module, tokenizer, rows, each, warm + steps)
     return round(1e6 * statistics.median(times[warm:]), 1)
 
 
