@@ -250,8 +250,7 @@ def test_guided_hook_times_the_hook_and_its_parts_without_a_model(model_dir: str
     times, seqs = guided_hook.run_hook(guided, tokenizer, rows=3, each=True, steps=4)
     assert len(times) == 4 and all(t > 0 for t in times)
     assert all(tokenizer.decode(seq.output_token_ids).startswith('[{"k') for seq in seqs)
-    compiler = guided_hook.xgr.GrammarCompiler(guided_hook.xgr.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=len(tokenizer)))
+    compiler = guided_hook.compiler_for(tokenizer)
     parts = guided_hook.parts_us(compiler, tokenizer, rows=4, depth=3, each=False)
     assert set(parts) >= {"take_one_by_one", "fill_engine_thread", "fill_pool_8"}
     assert all(us > 0 for us in parts.values())

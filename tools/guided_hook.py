@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import guided_schema  # noqa: E402
 from nanoserve.config import SamplingParams  # noqa: E402
+from nanoserve.extensions.guided import GuidedDecodingParams, parse  # noqa: E402
 from nanoserve.sequence import Sequence  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,12 +102,19 @@ def allowed(matcher: xgr.GrammarMatcher, vocab: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")[:vocab])
 
 
+def compiler_for(tokenizer) -> xgr.GrammarCompiler:
+    """A grammar compiler on the tokenizer's vocabulary and stop token, as the extension's."""
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id]))
+
+
 def parts_us(compiler, tokenizer, rows: int, depth: int, each: bool) -> dict:
-    """xgrammar's share of a step at `rows` rows, `depth` tokens into the schema."""
-    grammars = [compiler.compile_grammar(xgr.Grammar.from_json_schema(json.dumps(guided_schema(
-        f"k{i}" if each else "name")), any_whitespace=False)) for i in range(rows)]
-    matchers, rng, vocab = [xgr.GrammarMatcher(g) for g in grammars], np.random.default_rng(0), \
-        len(tokenizer)
+    """xgrammar's share of a step at `rows` rows, `depth` tokens into the schema (compiled as
+    the extension compiles it)."""
+    sources = [GuidedDecodingParams(json=guided_schema(f"k{i}" if each else "name")).source
+               for i in range(rows)]
+    matchers = [xgr.GrammarMatcher(compiler.compile_grammar(parse(*source))) for source in sources]
+    rng, vocab = np.random.default_rng(0), len(tokenizer)
     for matcher in matchers:
         for _ in range(depth):
             assert matcher.accept_token(int(rng.choice(allowed(matcher, vocab))))
@@ -123,8 +131,8 @@ def parts_us(compiler, tokenizer, rows: int, depth: int, each: bool) -> dict:
     out = {}
     for name, take in (("take_one_by_one", take_one_by_one), ("take_batched", take_batched)):
         out[name] = median_us(lambda take=take: take() or [m.rollback(1) for m in matchers])
-    fillers, pool = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(8)], \
-        ThreadPoolExecutor(8)
+    fillers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(8)]
+    pool = ThreadPoolExecutor(8)
     fills = {n: [functools.partial(f.batch_fill_next_token_bitmask, matchers[j::n], bitmask,
                                    index[j::n]) for j, f in enumerate(fillers[:n])]
              for n in (1, 2, 4, 8)}
@@ -176,8 +184,7 @@ def main() -> None:
                 key = f"{Path(path).name} {rows} rows, {'a schema each' if each else 'one schema'}"
                 hook.setdefault(key, []).append(hook_us(module, tokenizer, rows, each))
                 print(key, hook[key], flush=True)
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=len(tokenizer)))
+    compiler = compiler_for(tokenizer)
     figures = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
                "before_sample_us": hook}
     for each in (False, True):
