@@ -146,8 +146,8 @@ class ModelRunner:
         k = config.num_speculative_tokens if config.speculative_method else 0
         self.max_graph_batch = graph_batch_size(config.max_num_seqs * (1 + k)) if use_graphs else 0
         self.backends = choose_backends(config, self.device)
-        self.model, self.rng = self._build_model(), np.random.default_rng()  # rng: unseeded keys
-        self.graphs = None  # (the warm-up that sizes the cache runs eagerly)
+        # rng: unseeded keys; no graphs yet (the warm-up that sizes the cache runs eagerly)
+        self.model, self.rng, self.graphs = self._build_model(), np.random.default_rng(), None
         self.allocate_kv_cache()
         # the graph runner, chosen by setting: extensions.cuda_graphs' decode graphs, or
         # prefill_graphs' (a lone prompt's prefill too) on one rank, not with batch_invariant
@@ -186,16 +186,12 @@ class ModelRunner:
                 num_blocks = int(t.item())
             self.config.check_kvcache_fits(num_blocks, block_bytes)
             self.config.num_kvcache_blocks = num_blocks
-        # (2, layers, num_blocks + 1, B, Hkv, D): K and V of every layer, allocated at once (zeroed:
-        # the CPU's decode reads slots past a context); the last block is a spare no sequence owns,
-        # where slot -1 (a padded graph row) writes. On the CPU NumPy's zeros, whose pages the OS
-        # zeroes as they are first touched: no time spent, no memory taken for blocks never used.
-        shape = (2, len(layers), num_blocks + 1, *block)
-        if self.device.type == "cpu":
-            zeros = np.zeros(int(np.prod(shape)) * kv_dtype.itemsize, np.uint8)
-            self.kv_cache = torch.from_numpy(zeros).view(kv_dtype).view(shape)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        # (2, layers, num_blocks + 1, B, Hkv, D): K and V of every layer at once, zeroed (the CPU's
+        # decode reads slots past a context; there the OS zeroes a page when first touched); the
+        # last block is a spare no sequence owns, where slot -1 (a padded graph row) writes
+        shape, n = (2, len(layers), num_blocks + 1, *block), (num_blocks + 1) * block_bytes
+        self.kv_cache = (torch.zeros(shape, dtype=kv_dtype, device=self.device) if self.device.type
+                         == "cuda" else torch.frombuffer(bytearray(n), dtype=kv_dtype).view(shape))
         if self.rank == 0:
             logger.info(f"model in {self.config.torch_dtype}; KV cache: {num_blocks} blocks of "
                         f"{self.block_size} tokens, {num_blocks * block_bytes / 2**30:.2f} GiB "
