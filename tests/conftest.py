@@ -4,7 +4,10 @@ suite passes with it, `NANOSERVE_TEST_SPECULATIVE=ngram python -m pytest -q -m "
 
 The default model's fixtures that several test modules share (its directory, the chat prompts of
 test_e2e.QUESTIONS, transformers' greedy outputs) live here, once per session: transformers'
-outputs take seconds to compute on a CPU; so does a tiny random Qwen3 that starts in a second."""
+outputs take seconds to compute on a CPU; so does a tiny random Qwen3 that starts in a second.
+Promises about the engine's own machinery (preemption, chunks, the prefix cache, failed steps)
+are checked on the tiny model, whose steps take milliseconds on a CPU where the default model's
+take a tenth of a second: with its prompts and transformers' greedy tokens for them."""
 import os
 import shutil
 
@@ -96,3 +99,28 @@ def tiny_qwen3(tmp_path_factory) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(default_model_dir(), name), path)
     return path
+
+
+TINY_MAX_TOKENS = 16  # the tiny model's greedy tokens per prompt, EOS ignored
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts() -> list[list[int]]:
+    """8 prompts of tiny_qwen3's token ids: a shared 32-token prefix (two blocks of 16, as the
+    chat template's first blocks are for the default model's prompts), then 5 to 19 of their own
+    (no special ids: 0-2)."""
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 1001, (32,), generator=gen).tolist()
+    return [shared + torch.randint(3, 1001, (5 + 2 * i,), generator=gen).tolist()
+            for i in range(8)]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_outputs(tiny_qwen3: str, tiny_prompts: list[list[int]]) -> list[list[int]]:
+    """Transformers' greedy TINY_MAX_TOKENS tokens of each tiny prompt, one at a time."""
+    model = Qwen3ForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    with torch.no_grad():
+        outs = [model.generate(torch.tensor([ids]), max_new_tokens=TINY_MAX_TOKENS,
+                               min_new_tokens=TINY_MAX_TOKENS, do_sample=False)[0]
+                for ids in tiny_prompts]
+    return [out[len(ids):].tolist() for out, ids in zip(outs, tiny_prompts)]

@@ -1,6 +1,7 @@
 """End to end on the packaged default model (SmolLM2-135M-Instruct, float32 on the CPU):
-nanoserve's greedy output must be token-identical to Hugging Face transformers', also when
-sequences are preempted, when prompts are chunked, and with prefix caching on or off. Every
+nanoserve's greedy output must be token-identical to Hugging Face transformers'; on the tiny
+random Qwen3 (conftest), also when sequences are preempted, when prompts are chunked, with prefix
+caching on or off, and after a failed step. Every
 engine here runs on the CPU, also on a machine with a GPU (but the core alone's, run there too):
 the GPU's promises (batch_invariant's same bits, logprobs close to transformers') are
 tests/test_gpu.py's."""
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_MAX_TOKENS
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.overlap import PENDING
@@ -34,6 +36,7 @@ QUESTIONS = [
 ]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+TINY_GREEDY = SamplingParams(temperature=0, max_tokens=TINY_MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.mark.parametrize("extensions", [False, True], ids=["core", "every_cpu_extension"])
@@ -63,28 +66,29 @@ def test_greedy_matches_transformers(model_dir, prompts, hf_outputs, extensions)
         assert o["text"].strip()
 
 
-def test_preemption_keeps_output(model_dir, prompts, hf_outputs):
-    # 8 sequences of ~44 tokens need ~24 blocks of 16; 12 blocks force preemption by recompute
-    with LLM(model_dir, device="cpu", max_model_len=192, num_kvcache_blocks=12) as llm:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+def test_preemption_keeps_output(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
+    # 8 sequences of 53-67 tokens need 4-5 blocks of 16 each (two shared): 12 blocks force
+    # preemption by recompute
+    with LLM(tiny_qwen3, device="cpu", max_model_len=192, num_kvcache_blocks=12) as llm:
+        outs = llm.generate(tiny_prompts, TINY_GREEDY, use_tqdm=False)
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.block_manager.num_free_blocks == 12
-    assert [o["token_ids"] for o in outs] == hf_outputs
+    assert [o["token_ids"] for o in outs] == tiny_hf_outputs
 
 
-def test_chunked_prefill_keeps_output(model_dir, prompts, hf_outputs):
-    with LLM(model_dir, device="cpu", max_num_batched_tokens=16) as llm:
-        outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == hf_outputs[:3]
+def test_chunked_prefill_keeps_output(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
+    with LLM(tiny_qwen3, device="cpu", max_model_len=256, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(tiny_prompts[:3], TINY_GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == tiny_hf_outputs[:3]
 
 
-def test_prefix_caching_on_and_off_agree(model_dir, prompts):
-    system = list(range(1000, 1040))  # a 40-token shared prefix: two full blocks of 16 are shared
-    shared = [system + p for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=8)  # the hits are the prompts' blocks
+def test_prefix_caching_on_and_off_agree(tiny_qwen3, tiny_prompts):
+    system = list(range(500, 540))  # a 40-token shared prefix: two full blocks of 16 are shared
+    shared = [system + p[32:] for p in tiny_prompts]  # (the prompts' own shared prefix left out)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # hits: the prompts'
     results = {}
     for caching in (True, False):
-        with LLM(model_dir, device="cpu", enable_prefix_caching=caching, max_model_len=256) as llm:
+        with LLM(tiny_qwen3, device="cpu", enable_prefix_caching=caching, max_model_len=256) as llm:
             first = llm.generate(shared[:1], params, use_tqdm=False)  # computes the prefix once
             rest = llm.generate(shared, params, use_tqdm=False)  # every prompt can hit it
             results[caching] = (first, rest, scheduler_stats(llm.scheduler).num_hits)
@@ -97,8 +101,9 @@ def test_prefix_caching_on_and_off_agree(model_dir, prompts):
     assert results[True][0][0]["token_ids"] == results[True][1][0]["token_ids"]
 
 
-def test_sampling_seed_top_k_and_stop(model_dir, prompts):
-    with LLM(model_dir, device="cpu") as llm:
+def test_sampling_seed_top_k_and_stop(tiny_qwen3, tiny_prompts):
+    prompts = tiny_prompts
+    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
         seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)
         alone = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]["token_ids"]
         neighbours = [SamplingParams(temperature=0, max_tokens=16),
@@ -174,15 +179,15 @@ def test_seeded_requests_keep_their_tokens_across_preemption(model_dir, seeded_o
     assert [o["token_ids"] for o in outs] == alone
 
 
-def test_engine_freezes_what_it_holds_until_shutdown(model_dir, prompts, hf_outputs):
+def test_engine_freezes_what_it_holds_until_shutdown(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
     """The engine's long-lived objects are left out of Python's full collections while it runs,
     and collectable again after shutdown; generation is unchanged."""
-    with LLM(model_dir, device="cpu") as llm:
+    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
         model = llm.model_runner.model
         assert gc.get_freeze_count() > 0
         assert not any(o is model for o in gc.get_objects())  # frozen: no generation holds it
-        outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
-        assert [o["token_ids"] for o in outs] == hf_outputs[:2]
+        outs = llm.generate(tiny_prompts[:2], TINY_GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == tiny_hf_outputs[:2]
     assert gc.get_freeze_count() == 0
     assert any(o is model for o in gc.get_objects())
 
@@ -200,30 +205,30 @@ def test_text_prompts_and_trace(model_dir, caplog):
     assert all("free=" in line for line in lines)
 
 
-def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(model_dir, prompts,
-                                                                        hf_outputs):
-    # the two chat prompts share the template's first blocks: the second hits them when scheduled
-    params = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(model_dir, device="cpu") as llm:
+def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(tiny_qwen3, tiny_prompts,
+                                                                        tiny_hf_outputs):
+    # the two prompts share their first two blocks: the second hits them when scheduled
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
         run = llm.model_runner.run
 
         def failing_run(batch, input_ids=None):  # no prefill runs: its registered blocks get no K/V
             raise RuntimeError("simulated failure")
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
-            llm.generate(prompts[:2], params, use_tqdm=False)
+            llm.generate(tiny_prompts[:2], params, use_tqdm=False)
         llm.model_runner.run = run
-        outs = llm.generate(prompts[:2], params, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
+        outs = llm.generate(tiny_prompts[:2], params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [ref[:8] for ref in tiny_hf_outputs[:2]]
 
 
-def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir, prompts,
-                                                                      hf_outputs):
+def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(tiny_qwen3, tiny_prompts,
+                                                                      tiny_hf_outputs):
     # generate()'s prompt A registers its blocks when its prefill is scheduled; a request B added
-    # meanwhile (outside that call) is scheduled ahead and takes A's first blocks (the chat
-    # template) as cache hits. A's prefill then fails, so those blocks never get K/V, and
+    # meanwhile (outside that call) is scheduled ahead and takes A's first blocks (the shared
+    # prefix) as cache hits. A's prefill then fails, so those blocks never get K/V, and
     # generate() aborts A: B must compute them.
-    params = SamplingParams(temperature=0, max_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     class FailedOutput:  # a step that fails when its tokens are read (as a CUDA error would)
         token_ids = None
@@ -233,32 +238,33 @@ def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(model_dir,
 
         def logprob_dicts(self, token_ids):
             raise RuntimeError("simulated failure")
-    with LLM(model_dir, device="cpu") as llm:
+    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
         run, others = llm.model_runner.run, []
 
         def failing_run(batch, input_ids=None):
             if others:
                 return run(batch, input_ids)
-            others.append(llm.add_request(prompts[1], params))  # arrives during A's prefill
+            others.append(llm.add_request(tiny_prompts[1], params))  # arrives during A's prefill
             return FailedOutput()  # A's prefill never ran
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
-            llm.generate(prompts[:1], params, use_tqdm=False)
+            llm.generate(tiny_prompts[:1], params, use_tqdm=False)
         other = others[0]
         # its hits on A's blocks were taken back
         assert other.block_table and other.num_cached_tokens == 0
         llm.model_runner.run = run
         while not other.is_finished:
             llm.step()
-    assert other.output_token_ids == hf_outputs[1][:8]
+    assert other.output_token_ids == tiny_hf_outputs[1][:8]
 
 
-def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, hf_outputs):
+def test_step_after_a_failed_step_computes_everything_again(tiny_qwen3, tiny_prompts,
+                                                          tiny_hf_outputs):
     # no generate(): add requests, then step; the first prefill and a later decode fail once each
-    params = SamplingParams(temperature=0, max_tokens=8)
-    # prompts of ~40 tokens: a chunk is in flight
-    with LLM(model_dir, device="cpu", max_num_batched_tokens=64) as llm:
-        seqs = [llm.add_request(p, params) for p in prompts[:3]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # prompts of 37-41 tokens: a chunk is in flight
+    with LLM(tiny_qwen3, device="cpu", max_model_len=256, max_num_batched_tokens=64) as llm:
+        seqs = [llm.add_request(p, params) for p in tiny_prompts[:3]]
         run, calls = llm.model_runner.run, []
 
         def flaky_run(batch, input_ids=None):
@@ -275,13 +281,13 @@ def test_step_after_a_failed_step_computes_everything_again(model_dir, prompts, 
                 failures += 1
         assert failures == 2 and calls[0] and not calls[6]  # a prefill failed, then a decode
         assert PENDING not in sum((s.token_ids for s in seqs), [])
-    assert [s.output_token_ids for s in seqs] == [ref[:8] for ref in hf_outputs[:3]]
+    assert [s.output_token_ids for s in seqs] == [ref[:8] for ref in tiny_hf_outputs[:3]]
 
 
-def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_outputs):
-    params = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(model_dir, device="cpu") as llm:
-        other = llm.add_request(prompts[2], params)  # in no generate() call: it must survive
+def test_failure_mid_generate_leaves_the_engine_usable(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
+        other = llm.add_request(tiny_prompts[2], params)  # in no generate() call: it must survive
         run, calls = llm.model_runner.run, []
 
         def failing_run(batch, input_ids=None):  # the 4th launch, a decode scheduled ahead, fails
@@ -291,17 +297,17 @@ def test_failure_mid_generate_leaves_the_engine_usable(model_dir, prompts, hf_ou
             return run(batch, input_ids)
         llm.model_runner.run = failing_run
         with pytest.raises(RuntimeError, match="simulated failure"):
-            llm.generate(prompts[:2], params, use_tqdm=False)
+            llm.generate(tiny_prompts[:2], params, use_tqdm=False)
         assert calls[-1] and llm.loop.ahead is None and PENDING not in other.token_ids
         assert list(llm.scheduler.running) == [other] and not llm.scheduler.waiting
         llm.model_runner.run = run
-        outs = llm.generate(prompts[:2], params, use_tqdm=False)
+        outs = llm.generate(tiny_prompts[:2], params, use_tqdm=False)
         while not other.is_finished:
             llm.step()
         bm = llm.scheduler.block_manager
         assert not llm.scheduler.has_unfinished() and bm.num_free_blocks == len(bm.blocks)
-    assert [o["token_ids"] for o in outs] == [ref[:8] for ref in hf_outputs[:2]]
-    assert other.output_token_ids == hf_outputs[2][:8]
+    assert [o["token_ids"] for o in outs] == [ref[:8] for ref in tiny_hf_outputs[:2]]
+    assert other.output_token_ids == tiny_hf_outputs[2][:8]
 
 
 FP8_MEAN_LOGPROB_TOL = 0.08  # nats, mean over the tokens where the fp8 run still agrees
