@@ -82,12 +82,12 @@ def test_beam_search_matches_transformers(llm, hf_model, prompts, width, num_pro
 
 
 def test_samples_share_the_prompts_blocks(tiny_qwen3):
-    """n = 8 samples of 256 tokens on a 1,000-token prompt (a tiny random model: the blocks do not
+    """n = 8 samples of 64 tokens on a 1,000-token prompt (a tiny random model: the blocks do not
     depend on it) hold the prompt's full blocks once (peak blocks in use, read from the block
     manager), each sample at most one block beyond its own output; 8 separate requests without
     prefix caching hold the prompt 8 times. Every block is free after finish, abort and
     preemption, and a preempted sample recomputes the same tokens."""
-    prompt, outs = [t % 997 for t in range(1000)], 256
+    prompt, outs = [t % 997 for t in range(1000)], 64
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=outs, ignore_eos=True, n=8)
     peaks = {}
     for caching in (True, False):
@@ -109,11 +109,11 @@ def test_samples_share_the_prompts_blocks(tiny_qwen3):
             assert all_blocks_free(llm)
     full, own = 1000 // 16, -(-(1000 % 16 + outs) // 16)  # the prompt's full blocks; a sample's
     assert peaks[True] <= full + 8 * (own + 1) and peaks[False] >= 8 * (full + own)
-    small = dict(max_model_len=512, num_kvcache_blocks=40)  # 8 samples need about 8 * 15
+    small = dict(max_model_len=512, num_kvcache_blocks=40)  # 8 samples need about 8 * 11
     runs = {}
     for name, settings in {"preempted": small, "not": dict(max_model_len=512)}.items():
         with LLM(tiny_qwen3, device="cpu", **settings) as llm:
-            runs[name] = ids(llm.generate([prompt[:100]], replace(params, max_tokens=128),
+            runs[name] = ids(llm.generate([prompt[:100]], replace(params, max_tokens=64),
                                           use_tqdm=False)[0])
             assert (llm.scheduler.num_preemptions > 0) == (name == "preempted")
             assert all_blocks_free(llm)
