@@ -10,9 +10,6 @@ are checked on the tiny model, whose steps take milliseconds on a CPU where the 
 take a tenth of a second: with its prompts and transformers' greedy tokens for them."""
 import os
 import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -54,77 +51,19 @@ if method := os.environ.get("NANOSERVE_TEST_SPECULATIVE"):
     Config.__post_init__ = _speculative_post_init
 
 
-class Child:
-    """A child process a test reads the output of; that output goes to files, which fill no pipe
-    however long nobody reads them."""
-    started: list["Child"] = []  # every one, so that the session's end kills those still running
-
-    def __init__(self, argv: list[str], **popen_args) -> None:
-        self.files = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        # below the tests' own priority: it computes where they leave the CPU idle
-        self.proc = subprocess.Popen(argv, stdout=self.files[0], stderr=self.files[1], text=True,
-                                     preexec_fn=lambda: os.nice(10), **popen_args)
-        Child.started.append(self)
-
-    def wait(self, timeout: float) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr) once it ends; killed past timeout seconds."""
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        for f in self.files:
-            f.seek(0)
-        return self.proc.returncode, self.files[0].read(), self.files[1].read()
-
-
-# A test that runs child processes and reads their output (Triton's interpreter, the README's
-# commands) can start them when the session's tests are collected: they compute on the core that
-# the other tests leave idle (an engine's Python runs on one of the two cores CI has), and the
-# test waits for them in its turn. Such a test function carries `start_children`, a function that
-# starts them and returns what the test reads back through `children(request, start)`.
-STARTED: dict[str, object] = {}
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker collects every test: none starts early
-        return
-    for item in session.items:
-        start = getattr(getattr(item, "function", None), "start_children", None)
-        if start is not None and item.nodeid not in STARTED:
-            STARTED[item.nodeid] = start()
-
-
-def children(request: pytest.FixtureRequest, start: Callable[[], object]) -> object:
-    """What `start` returned when the session began (started now if this test was not selected
-    then)."""
-    return STARTED.pop(request.node.nodeid, None) or start()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Children still running (their test never ran: a run stopped early) end with the session."""
-    for child in Child.started:
-        if child.proc.poll() is None:
-            child.proc.kill()
-
-
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     return default_model_dir()
 
 
-def chat_prompts() -> list[list[int]]:
+@pytest.fixture(scope="session")
+def prompts(model_dir: str) -> list[list[int]]:
     """test_e2e.QUESTIONS as the default model's chat prompts, token ids."""
     from test_e2e import QUESTIONS
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    tok = AutoTokenizer.from_pretrained(model_dir)
     return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                     tokenize=True, return_dict=False) for q in QUESTIONS]
-
-
-@pytest.fixture(scope="session")
-def prompts(model_dir: str) -> list[list[int]]:
-    return chat_prompts()
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,13 @@ import gc
 import math
 import os
 import statistics
+import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MAX_TOKENS, Child, chat_prompts, children
+from conftest import TINY_MAX_TOKENS
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.overlap import PENDING
@@ -400,21 +400,14 @@ def test_fp8_prefill_reads_what_the_cache_holds(model_dir, prompts):
     assert statistics.median(moved) < 1e-3, moved
 
 
-def start_example() -> Child:
-    """The README's first command: example.py on its prompts, 4 greedy tokens each."""
+def test_example_chats():
+    """The README's first command: example.py answers each of its prompts."""
     root = Path(__file__).resolve().parents[1]
-    return Child([sys.executable, str(root / "example.py"), "--max-tokens", "4", "--temperature",
-                  "0"], cwd=root)
-
-
-def test_example_chats(request):
-    """example.py (started with the session: conftest.children) answers each of its prompts."""
-    returncode, stdout, stderr = children(request, start_example).wait(timeout=300)
-    assert returncode == 0, stderr[-2000:]
-    assert stdout.count(">>> ") == 4 and stdout.count("[4 tokens, length]") == 4
-
-
-test_example_chats.start_children = start_example
+    run = subprocess.run([sys.executable, str(root / "example.py"), "--max-tokens", "4",
+                          "--temperature", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count(">>> ") == 4 and run.stdout.count("[4 tokens, length]") == 4
 
 
 CORE_ALONE = """
@@ -452,26 +445,21 @@ CORE_ON = {"cpu": dict(device="cpu", overlap_scheduling=False),
                         enforce_eager=True, cascade_attention=False, fused_kernels=False)}
 
 
-def start_the_core_alone(prompts: list[list[int]], settings: dict) -> tuple[Path, Child]:
-    """The CORE_ALONE script in a process of its own on a copy of nanoserve/ without extensions/
-    and server/ (in a new directory, which it returns)."""
+def run_the_core_alone(tmp_path: Path, prompts: list[list[int]], settings: dict) -> dict:
+    """The CORE_ALONE script's results, in a process of its own on a copy of nanoserve/ without
+    extensions/ and server/."""
     import json
     import shutil
-    package, copy = Path(__file__).resolve().parents[1] / "nanoserve", Path(tempfile.mkdtemp())
-    shutil.copytree(package, copy / "nanoserve", ignore=shutil.ignore_patterns(
+    package = Path(__file__).resolve().parents[1] / "nanoserve"
+    shutil.copytree(package, tmp_path / "nanoserve", ignore=shutil.ignore_patterns(
         "extensions", "server", "__pycache__"))
-    (copy / "input.json").write_text(json.dumps([prompts, settings, CORE_TOKENS]))
-    return copy, Child([sys.executable, "-c", CORE_ALONE], cwd=copy,
-                       stdin=open(copy / "input.json"), env={**os.environ, "PYTHONPATH": str(copy)})
-
-
-def core_alone_results(copy: Path, child: Child) -> dict:
-    """The CORE_ALONE script's results, checked for what every run must show."""
-    import json
-    returncode, stdout, stderr = child.wait(timeout=600)
-    assert returncode == 0, stderr[-3000:]
-    out = json.loads(stdout.strip().splitlines()[-1])
-    assert out["file"].startswith(str(copy))  # the copy, not the checkout
+    result = subprocess.run([sys.executable, "-c", CORE_ALONE], cwd=tmp_path,
+                            input=json.dumps([prompts, settings, CORE_TOKENS]),
+                            capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["file"].startswith(str(tmp_path))  # the copy, not the checkout
     assert out["streamed"] == [out["greedy"][0], out["text"]]
     for setting, name in (("stop", "stop_strings"), ("overlap_scheduling", "overlap"),
                           ("timeline", "timeline")):
@@ -479,27 +467,20 @@ def core_alone_results(copy: Path, child: Child) -> dict:
     return out
 
 
-def start_the_core_alone_on_the_cpu() -> tuple[Path, Child]:
-    return start_the_core_alone(chat_prompts()[:4], CORE_ON["cpu"])
-
-
-def test_the_core_runs_alone(request, hf_outputs):
-    """A copy of nanoserve/ without extensions/ and server/ (started with the session:
-    conftest.children): greedy output still equals transformers', a streamed request works, and
-    a setting that needs a missing extension raises a ValueError naming it."""
-    out = core_alone_results(*children(request, start_the_core_alone_on_the_cpu))
+def test_the_core_runs_alone(tmp_path, prompts, hf_outputs):
+    """A copy of nanoserve/ without extensions/ and server/: greedy output still equals
+    transformers', a streamed request works, and a setting that needs a missing extension raises
+    a ValueError naming it."""
+    out = run_the_core_alone(tmp_path, prompts[:4], CORE_ON["cpu"])
     assert out["greedy"] == [ref[:CORE_TOKENS] for ref in hf_outputs[:4]]
-
-
-test_the_core_runs_alone.start_children = start_the_core_alone_on_the_cpu
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_the_core_runs_alone_on_the_gpu(model_dir, prompts):
+def test_the_core_runs_alone_on_the_gpu(tmp_path, model_dir, prompts):
     """The same on the GPU (float32, eager, the core's own kernels): the copy's greedy tokens are
     the whole package's with the same settings, the same code."""
-    out = core_alone_results(*start_the_core_alone(prompts[:4], CORE_ON["cuda"]))
+    out = run_the_core_alone(tmp_path, prompts[:4], CORE_ON["cuda"])
     with LLM(model_dir, **CORE_ON["cuda"]) as llm:
         outs = llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=CORE_TOKENS),
                             use_tqdm=False)

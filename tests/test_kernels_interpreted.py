@@ -4,36 +4,27 @@ GPU suite's first run (the GPU's tests) leaves this CPU work to its second, para
 """
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
-from conftest import Child, children
 
 from nanoserve import kernels
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def start() -> Child | None:
-    """test_kernels.py's *_interpreted tests in a child process with TRITON_INTERPRET=1 set
-    before any import; None in a process that is interpreted itself."""
-    if kernels.INTERPRETED:
-        return None
+@pytest.mark.skipif(kernels.INTERPRETED, reason="this process is interpreted: test_kernels.py "
+                    "runs its interpreted tests here")
+def test_kernels_under_triton_interpreter() -> None:
+    """Run test_kernels.py's *_interpreted tests in a child process with TRITON_INTERPRET=1 set
+    before any import."""
     python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     # no GPU visible: the child runs as on a CPU machine, wherever it starts
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path, CUDA_VISIBLE_DEVICES="")
-    return Child([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                  "interpreted", str(REPO / "tests" / "test_kernels.py")], env=env, cwd=REPO)
-
-
-@pytest.mark.skipif(kernels.INTERPRETED, reason="this process is interpreted: test_kernels.py "
-                    "runs its interpreted tests here")
-def test_kernels_under_triton_interpreter(request: pytest.FixtureRequest) -> None:
-    """Run test_kernels.py's *_interpreted tests in a child process (started with the session:
-    conftest.children)."""
-    returncode, stdout, stderr = children(request, start).wait(timeout=900)
-    report = stdout[-6000:] + stderr[-2000:]
-    assert returncode == 0 and " passed" in stdout and "skipped" not in stdout, report
-
-
-test_kernels_under_triton_interpreter.start_children = start
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+               str(REPO / "tests" / "test_kernels.py")]
+    child = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    report = child.stdout[-6000:] + child.stderr[-2000:]
+    passed = " passed" in child.stdout and "skipped" not in child.stdout
+    assert child.returncode == 0 and passed, report

@@ -12,11 +12,9 @@ import runpy
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import Child, children
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -58,47 +56,36 @@ def test_api_section_has_the_engine_snippets() -> None:
     assert any("stream_step()" in s for s in snippets)
 
 
-def start_snippets() -> Child:
+def test_api_snippets_run_in_order(tmp_path: Path) -> None:
     """Every snippet of the API section, as written, one after the other in one process."""
-    script = Path(tempfile.mkdtemp()) / "readme_api.py"
-    script.write_text("\n".join(api_snippets()))
-    return Child([sys.executable, str(script)], cwd=script.parent, env=_cpu_env())
+    program = "\n".join(api_snippets())
+    script = tmp_path / "readme_api.py"
+    script.write_text(program)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env=_cpu_env())
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) >= 3, result.stdout  # generate's text, its ids, the cached count, a stream
+    assert "length" in result.stdout or "stop" in result.stdout  # outs[0]["finish_reason"]
 
 
-def test_api_snippets_run_in_order(request: pytest.FixtureRequest) -> None:
-    """The snippets' process (started with the session: conftest.children) ends well."""
-    returncode, stdout, stderr = children(request, start_snippets).wait(timeout=300)
-    assert returncode == 0, f"{stdout}\n{stderr[-4000:]}"
-    lines = [line for line in stdout.splitlines() if line.strip()]
-    assert len(lines) >= 3, stdout  # generate's text, its ids, the cached count, a stream
-    assert "length" in stdout or "stop" in stdout  # outs[0]["finish_reason"]
-
-
-test_api_snippets_run_in_order.start_children = start_snippets
 README_COMMANDS = ["example.py", "bench.py", "tools/timeline_demo.py"]
 
 
-def start_commands() -> tuple[str, dict[str, Child]] | None:
-    """The working tree's state, then the README's commands with --help, the three at once."""
+def test_readme_commands_start_and_write_nothing() -> None:
+    """The README's commands parse their arguments (--help, the three at once) and leave the
+    working tree as it was."""
     git = shutil.which("git")
     if git is None or not (ROOT / ".git").exists():
-        return None
-    return _porcelain(git), {command: Child([sys.executable, command, "--help"], cwd=ROOT,
-                                            env=_cpu_env()) for command in README_COMMANDS}
-
-
-def test_readme_commands_start_and_write_nothing(request: pytest.FixtureRequest) -> None:
-    """The README's commands parse their arguments and leave the working tree as it was."""
-    if (started := children(request, start_commands)) is None:
         pytest.skip("not a git checkout")
-    before, runs = started
+    before = _porcelain(git)
+    runs = {command: subprocess.Popen([sys.executable, command, "--help"], cwd=ROOT, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      env=_cpu_env()) for command in README_COMMANDS}
     for command, run in runs.items():
-        returncode, out, err = run.wait(timeout=120)
-        assert returncode == 0 and out.strip(), f"{command}: {err[-2000:]}"
-    assert _porcelain(shutil.which("git")) == before
-
-
-test_readme_commands_start_and_write_nothing.start_children = start_commands
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0 and out.strip(), f"{command}: {err[-2000:]}"
+    assert _porcelain(git) == before
 
 
 @pytest.mark.parametrize("flags, message", [
