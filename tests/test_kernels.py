@@ -407,15 +407,15 @@ def test_engine_greedy_matches_transformers_interpreted(tmp_path: pathlib.Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole engine on the Triton kernels (CI's only run of the GPU attention path end to end):
     the fused projection's q and k rotated in place by rotary_and_store, prefill on the cached K/V
-    of a prefix that the batch shares, paged decode with cascade attention (8 sequences share 2
-    blocks: its threshold, CASCADE_MIN_SEQS, lowered to 8 for the interpreter), the batch ordered
+    of a prefix that the batch shares, paged decode with cascade attention (4 sequences share 2
+    blocks: its threshold, CASCADE_MIN_SEQS, lowered to 4 for the interpreter), the batch ordered
     longest first; and with batch_invariant=True, its one attention kernel, RMSNorm and float32
     product. A tiny random Qwen3 (q/k norm) in float32: greedy tokens
     equal transformers'."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from nanoserve import LLM, SamplingParams
-    monkeypatch.setattr(cascade, "CASCADE_MIN_SEQS", 8)  # read when the engine is built
+    monkeypatch.setattr(cascade, "CASCADE_MIN_SEQS", 4)  # read when the engine is built
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
@@ -431,11 +431,11 @@ def test_engine_greedy_matches_transformers_interpreted(tmp_path: pathlib.Path,
         expected = [hf.generate(torch.tensor([p]), max_new_tokens=num_new, min_new_tokens=num_new,
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
-    for invariant, n in ((False, len(prompts)), (True, 4)):  # interpreted products are slow
+    for invariant in (False, True):
         with LLM(str(tmp_path), max_model_len=128, enforce_eager=True,
                  batch_invariant=invariant) as llm:
-            outs = llm.generate(prompts[:n], params, use_tqdm=False)
-        assert [o["token_ids"] for o in outs] == expected[:n], f"batch_invariant={invariant}"
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == expected, f"batch_invariant={invariant}"
 
 
 def test_default_num_splits() -> None:
@@ -965,9 +965,9 @@ def check_invariant_attention(device: str, dtype: torch.dtype, group: int, Hkv: 
 
 
 @interpreted
-@pytest.mark.parametrize("group, Hkv, D", [(2, 2, 64), (3, 1, 32)])
-def test_batch_invariant_attention_interpreted(group: int, Hkv: int, D: int) -> None:
-    check_invariant_attention("cpu", torch.float32, group, Hkv, D, 1e-5)
+def test_batch_invariant_attention_interpreted() -> None:
+    """A GQA group of 3 (not a power of two) on one KV head; the GPU test runs more shapes."""
+    check_invariant_attention("cpu", torch.float32, 3, 1, 32, 1e-5)
 
 
 @gpu
