@@ -2,7 +2,8 @@
 with (the tokens and keys padded to a graph's size, the padded tokens writing the spare block).
 CUDA graphs need a GPU (tests/test_gpu.py captures them); here each "graph" replays by running
 the model eagerly on the graphs' buffers, what a capture records, so the padding, the choice of
-size and the logits row meet the default model and must give transformers' greedy tokens."""
+size and the logits row meet the tiny random Qwen3 (conftest) and must give transformers' greedy
+tokens."""
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from nanoserve.extensions import prefill_graphs
 from nanoserve.layers import ForwardContext
 
 NUM_TOKENS = 8  # each prefill's K/V is read by this many greedy decodes: transformers' first 8
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
 class EagerGraph:
@@ -27,7 +28,7 @@ class EagerGraph:
 
 
 @pytest.fixture(params=[16384, 16], ids=["whole", "chunked"])
-def llm(model_dir, monkeypatch, request):
+def llm(tiny_qwen3, monkeypatch, request):
     """An engine whose graph runner is PrefillGraphs, with no decode graphs and prefill graphs
     that replay eagerly; "chunked": 16 tokens a step, so a prompt's later chunks replay with its
     earlier chunks as cached keys."""
@@ -36,7 +37,7 @@ def llm(model_dir, monkeypatch, request):
     monkeypatch.setattr(prefill_graphs, "FLASH_DTYPES", (torch.float32,))  # the CPU's dtype
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no decode graph to pool
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    with LLM(model_dir, device="cpu", max_model_len=1024,
+    with LLM(tiny_qwen3, device="cpu", max_model_len=1024,
              max_num_batched_tokens=request.param) as llm:
         runner = llm.model_runner
         assert runner.graphs is None  # no graphs on the CPU: the test gives its own
@@ -45,17 +46,17 @@ def llm(model_dir, monkeypatch, request):
         yield llm
 
 
-def test_lone_prompts_replay_and_match_transformers(llm, prompts, hf_outputs):
+def test_lone_prompts_replay_and_match_transformers(llm, tiny_prompts, tiny_hf_outputs):
     """Two prompts one at a time, then again as prefix-cache hits (fewer new tokens than keys):
     every prefill replays, with transformers' greedy tokens; a batch of two runs eagerly."""
     graphs, step = llm.model_runner.graphs, llm.config.max_num_batched_tokens
-    refs = [ref[:NUM_TOKENS] for ref in hf_outputs]  # what GREEDY's tokens must be
+    prompts, refs = tiny_prompts, [ref[:NUM_TOKENS] for ref in tiny_hf_outputs]  # GREEDY's
     for run in ("computed", "cached"):
         replays = graphs.num_replays
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:2]]
         assert [o["token_ids"] for o in outs] == refs[:2], run
-        # a step per chunk of the prompt's uncached tokens (the chat template's shared start is
-        # cached from the first prompt on), each a replay
+        # a step per chunk of the prompt's uncached tokens (the prompts' shared start is cached
+        # from the first prompt on), each a replay
         chunks = [cdiv(len(p) - o["num_cached_tokens"], step) for p, o in zip(prompts, outs)]
         assert graphs.num_replays - replays == sum(chunks), run
     assert all(o["num_cached_tokens"] > 0 for o in outs)
