@@ -102,6 +102,9 @@ def tiny_qwen3(tmp_path_factory) -> str:
 
 
 TINY_MAX_TOKENS = 16  # the tiny model's greedy tokens per prompt, EOS ignored
+# its engine on the CPU: its own max_model_len of 4,096 would size the cache to 65,536 blocks
+# (256 sequences of 256 blocks), a Python object each, for seconds of start-up
+TINY_ENGINE = dict(device="cpu", max_model_len=256)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MAX_TOKENS
+from conftest import TINY_ENGINE, TINY_MAX_TOKENS
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.extensions.overlap import PENDING
@@ -77,7 +77,7 @@ def test_preemption_keeps_output(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
 
 
 def test_chunked_prefill_keeps_output(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
-    with LLM(tiny_qwen3, device="cpu", max_model_len=256, max_num_batched_tokens=16) as llm:
+    with LLM(tiny_qwen3, **TINY_ENGINE, max_num_batched_tokens=16) as llm:
         outs = llm.generate(tiny_prompts[:3], TINY_GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == tiny_hf_outputs[:3]
 
@@ -88,7 +88,7 @@ def test_prefix_caching_on_and_off_agree(tiny_qwen3, tiny_prompts):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # hits: the prompts'
     results = {}
     for caching in (True, False):
-        with LLM(tiny_qwen3, device="cpu", enable_prefix_caching=caching, max_model_len=256) as llm:
+        with LLM(tiny_qwen3, **TINY_ENGINE, enable_prefix_caching=caching) as llm:
             first = llm.generate(shared[:1], params, use_tqdm=False)  # computes the prefix once
             rest = llm.generate(shared, params, use_tqdm=False)  # every prompt can hit it
             results[caching] = (first, rest, scheduler_stats(llm.scheduler).num_hits)
@@ -103,7 +103,7 @@ def test_prefix_caching_on_and_off_agree(tiny_qwen3, tiny_prompts):
 
 def test_sampling_seed_top_k_and_stop(tiny_qwen3, tiny_prompts):
     prompts = tiny_prompts
-    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
+    with LLM(tiny_qwen3, **TINY_ENGINE) as llm:
         seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)
         alone = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]["token_ids"]
         neighbours = [SamplingParams(temperature=0, max_tokens=16),
@@ -182,7 +182,7 @@ def test_seeded_requests_keep_their_tokens_across_preemption(model_dir, seeded_o
 def test_engine_freezes_what_it_holds_until_shutdown(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
     """The engine's long-lived objects are left out of Python's full collections while it runs,
     and collectable again after shutdown; generation is unchanged."""
-    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
+    with LLM(tiny_qwen3, **TINY_ENGINE) as llm:
         model = llm.model_runner.model
         assert gc.get_freeze_count() > 0
         assert not any(o is model for o in gc.get_objects())  # frozen: no generation holds it
@@ -209,7 +209,7 @@ def test_a_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(tiny_qw
                                                                         tiny_hf_outputs):
     # the two prompts share their first two blocks: the second hits them when scheduled
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
+    with LLM(tiny_qwen3, **TINY_ENGINE) as llm:
         run = llm.model_runner.run
 
         def failing_run(batch, input_ids=None):  # no prefill runs: its registered blocks get no K/V
@@ -238,7 +238,7 @@ def test_a_request_that_hit_a_failed_steps_blocks_computes_them_again(tiny_qwen3
 
         def logprob_dicts(self, token_ids):
             raise RuntimeError("simulated failure")
-    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
+    with LLM(tiny_qwen3, **TINY_ENGINE) as llm:
         run, others = llm.model_runner.run, []
 
         def failing_run(batch, input_ids=None):
@@ -263,7 +263,7 @@ def test_step_after_a_failed_step_computes_everything_again(tiny_qwen3, tiny_pro
     # no generate(): add requests, then step; the first prefill and a later decode fail once each
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     # prompts of 37-41 tokens: a chunk is in flight
-    with LLM(tiny_qwen3, device="cpu", max_model_len=256, max_num_batched_tokens=64) as llm:
+    with LLM(tiny_qwen3, **TINY_ENGINE, max_num_batched_tokens=64) as llm:
         seqs = [llm.add_request(p, params) for p in tiny_prompts[:3]]
         run, calls = llm.model_runner.run, []
 
@@ -286,7 +286,7 @@ def test_step_after_a_failed_step_computes_everything_again(tiny_qwen3, tiny_pro
 
 def test_failure_mid_generate_leaves_the_engine_usable(tiny_qwen3, tiny_prompts, tiny_hf_outputs):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(tiny_qwen3, device="cpu", max_model_len=256) as llm:
+    with LLM(tiny_qwen3, **TINY_ENGINE) as llm:
         other = llm.add_request(tiny_prompts[2], params)  # in no generate() call: it must survive
         run, calls = llm.model_runner.run, []
 
