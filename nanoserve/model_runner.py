@@ -16,6 +16,7 @@ Called by: llm_engine (run, shutdown), extensions.overlap (run with input ids on
 """
 import gc
 import logging
+import mmap
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -125,9 +126,8 @@ class Extension:
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, port: int | None = None,
                  workers: Workers | None = None, extensions: list[Extension] | tuple = ()) -> None:
-        """rank 0 passes the Workers it started (none with one rank), whose port the ranks meet
-        at, and the engine's Extensions; ranks > 0 pass that port and no Workers."""
-        # extensions: the engine's list itself (their sampling hooks)
+        """rank 0 passes the Workers it started (none with one rank), whose port the ranks meet at,
+        and the engine's Extensions (its list itself); ranks > 0 pass that port and no Workers."""
         self.config, self.rank, self.workers, self.extensions = config, rank, workers, extensions
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
@@ -187,11 +187,12 @@ class ModelRunner:
             self.config.check_kvcache_fits(num_blocks, block_bytes)
             self.config.num_kvcache_blocks = num_blocks
         # (2, layers, num_blocks + 1, B, Hkv, D): K and V of every layer at once, zeroed (the CPU's
-        # decode reads slots past a context; there the OS zeroes a page when first touched); the
-        # last block is a spare no sequence owns, where slot -1 (a padded graph row) writes
+        # decode reads slots past a context: there an anonymous mapping, whose pages the OS zeroes
+        # when first touched); the last block is a spare no sequence owns, where slot -1 writes
         shape, n = (2, len(layers), num_blocks + 1, *block), (num_blocks + 1) * block_bytes
-        self.kv_cache = (torch.zeros(shape, dtype=kv_dtype, device=self.device) if self.device.type
-                         == "cuda" else torch.frombuffer(bytearray(n), dtype=kv_dtype).view(shape))
+        self.kv_cache = (torch.zeros(shape, dtype=kv_dtype, device=self.device)
+                         if self.device.type == "cuda" else
+                         torch.frombuffer(mmap.mmap(-1, n), dtype=kv_dtype).view(shape))
         if self.rank == 0:
             logger.info(f"model in {self.config.torch_dtype}; KV cache: {num_blocks} blocks of "
                         f"{self.block_size} tokens, {num_blocks * block_bytes / 2**30:.2f} GiB "

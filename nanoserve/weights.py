@@ -45,10 +45,8 @@ def _load_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tenso
         if "rotary_emb" in name:
             return  # some checkpoints store rotary buffers; nanoserve recomputes them
         raise KeyError(f"checkpoint tensor {name} has no parameter in the model")
-    if hasattr(param, "weight_loader"):  # a sharded parameter copies just this rank's part
-        param.weight_loader(param, tensor)
-    else:
-        param.data.copy_(tensor)
+    # a sharded parameter copies just this rank's part (layers.py); any other, the whole tensor
+    getattr(param, "weight_loader", nn.Parameter.copy_)(param, tensor)
 
 
 def default_model_dir() -> str:
