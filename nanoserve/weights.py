@@ -46,7 +46,8 @@ def _load_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tenso
             return  # some checkpoints store rotary buffers; nanoserve recomputes them
         raise KeyError(f"checkpoint tensor {name} has no parameter in the model")
     # a sharded parameter copies just this rank's part (layers.py); any other, the whole tensor
-    getattr(param, "weight_loader", nn.Parameter.copy_)(param, tensor)
+    load = param.weight_loader if hasattr(param, "weight_loader") else nn.Parameter.copy_
+    load(param, tensor)
 
 
 def default_model_dir() -> str:
