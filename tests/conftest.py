@@ -19,6 +19,14 @@ from nanoserve.config import Config
 from nanoserve.extensions.batch_invariant import CUBLAS_ENV
 from nanoserve.weights import default_model_dir
 
+# The README's command runs the tests in two pytest-xdist workers (`-n 2 --dist loadgroup`): each
+# computes on its share of the cores, as do the processes its tests start, so that two workers on
+# a 2-core machine do not fight over them (no result depends on the thread count)
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(workers))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # cuBLAS reads its workspace settings once a process, at its first product: set before any test,
 # the ones batch_invariant=True needs, so its engines can be built after others in this process
 for name, value in CUBLAS_ENV.items():
@@ -49,6 +57,19 @@ if method := os.environ.get("NANOSERVE_TEST_SPECULATIVE"):
         _post_init(self)
 
     Config.__post_init__ = _speculative_post_init
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With --dist loadgroup, a module's tests are an xdist group of their own unless they name
+    one: one worker runs them, in order, and builds the module's fixtures (an engine, a server)
+    once. Without a GPU, "gpu_memory" (the modules whose engines would share one GPU's memory)
+    splits into its modules: pytest-xdist names a test's group by all its marks joined."""
+    gpu = torch.cuda.is_available()
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        if group is None or (group.kwargs.get("name") == "gpu_memory" and not gpu):
+            item.add_marker(pytest.mark.xdist_group(name=item.module.__name__))
 
 
 @pytest.fixture(scope="session")
