@@ -8,6 +8,7 @@ outputs take seconds to compute on a CPU; so does a tiny random Qwen3 that start
 Promises about the engine's own machinery (preemption, chunks, the prefix cache, failed steps)
 are checked on the tiny model, whose steps take milliseconds on a CPU where the default model's
 take a tenth of a second: with its prompts and transformers' greedy tokens for them."""
+import importlib.metadata
 import os
 import shutil
 
@@ -70,6 +71,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         group = item.get_closest_marker("xdist_group")
         if group is None or (group.kwargs.get("name") == "gpu_memory" and not gpu):
             item.add_marker(pytest.mark.xdist_group(name=item.module.__name__))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the controller
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """With --dist loadgroup, stop if a worker's tests came back untagged with their groups:
+    pytest-xdist would ignore the groups without a word, and split a module's tests up."""
+    if node.config.getvalue("dist") == "loadgroup" and not all("@" in id for id in ids):
+        pytest.exit(f"pytest-xdist {importlib.metadata.version('pytest-xdist')} did not tag the "
+                    f"tests with their xdist groups under pytest {pytest.__version__} "
+                    "(pytest-xdist issue 1386): install the test extra's pytest<9.2, or run "
+                    "without -n", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture(scope="session")
