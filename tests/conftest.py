@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
     """With --dist loadgroup, stop if a worker's tests came back untagged with their groups:
     pytest-xdist would ignore the groups without a word, and split a module's tests up."""
-    if node.config.getvalue("dist") == "loadgroup" and not all("@" in id for id in ids):
+    if node.config.getvalue("dist") == "loadgroup" and not all("@" in test_id for test_id in ids):
         pytest.exit(f"pytest-xdist {importlib.metadata.version('pytest-xdist')} did not tag the "
                     f"tests with their xdist groups under pytest {pytest.__version__} "
                     "(pytest-xdist issue 1386): install the test extra's pytest<9.2, or run "
