@@ -13,7 +13,10 @@ Every step, before the sampler, while the GPU runs the step's forward pass:
    once it is on the host;
 2. the matchers fill a bitmask of the tokens allowed next into buffers made once (on the
    engine's thread, or on a pool of threads made once, ROWS_PER_FILLER rows or more each);
-3. the disallowed logits of those rows become -inf; unguided rows are not touched.
+3. the disallowed logits of those rows become -inf; unguided rows are not touched. On CUDA a
+   batch of up to GRAPH_ROWS rows, all guided, replays the masks' copy and xgrammar's kernel as
+   one CUDA graph, captured the first time its logits' place is seen (a lone request's hook would
+   spend most of its host time launching them).
 With speculative decoding a draft's row takes its mask from a fork of the matcher that took the
 drafts before it; the forks are dropped after the step, so nothing needs rolling back.
 EOS is allowed only where the grammar may end, and once it is done only EOS is, so a finished
@@ -35,18 +38,16 @@ from dataclasses import dataclass, fields
 
 import torch
 import xgrammar as xgr
-from torch import Tensor
 
 from nanoserve.extensions.overlap import PENDING
-from nanoserve.llm_engine import LLMEngine
 from nanoserve.model_runner import Extension, StepOutput
 from nanoserve.sequence import Sequence
 
-ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object=True's schema
 # xgrammar's own pool starts and joins its threads at every fill (docs/guided_decoding.md has the
 # figures): rows fill on up to WORKERS threads that live as long as the engine (vLLM: at most 8),
-# each filling a run of at least ROWS_PER_FILLER rows on one thread; fewer on the engine's thread
-ROWS_PER_FILLER = 16
+# each filling a run of at least ROWS_PER_FILLER rows on one thread; fewer on the engine's thread.
+# A batch of up to GRAPH_ROWS rows, all masked, masks with a CUDA graph; MAX_GRAPHS are kept
+ROWS_PER_FILLER, GRAPH_ROWS, MAX_GRAPHS = 16, 8, 64
 WORKERS = min(8, max(2, (os.cpu_count() or 2) // 2))
 # an EBNF string literal, escaped as a JSON string but with characters past ASCII as they are:
 # escaped, one past the BMP becomes a surrogate pair, which xgrammar reads as two characters
@@ -81,8 +82,8 @@ class GuidedDecodingParams:
             return "grammar", "root ::= " + " | ".join(map(LITERAL, self.choice))
         if self.json is not None:
             return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
-        if self.json_object:
-            return "json", ANY_OBJECT
+        if self.json_object:  # any object
+            return "json", '{"type": "object", "additionalProperties": true}'
         return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
@@ -106,28 +107,8 @@ class Guide:
     done: bool = False  # the matcher took a stop token that ended its grammar: no mask is left
 
 
-def row_matchers(seqs: list[Sequence], rows: list[int], guides: dict[Sequence, Guide],
-                 num_rows: Counter[Sequence]) -> list[xgr.GrammarMatcher | None]:
-    """The matcher whose state each guided row samples in (None: leave the row unmasked):
-    its sequence's, or with speculative decoding a fork that took the drafts before the row
-    (None where the grammar refuses one: verification then stops before the row). num_rows:
-    each sequence's rows."""
-    matchers, j = [], 0
-    for i in rows:
-        seq = seqs[i]
-        if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
-            j, fork = j + 1, matchers[-1] and matchers[-1].fork()
-            # (the drafts are the sequence's last num_rows - 1 tokens)
-            taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
-            matchers.append(fork if taken and not fork.is_terminated() else None)
-        else:
-            j, guide = 0, guides[seq]
-            matchers.append(None if guide.done else guide.matcher)
-    return matchers
-
-
 class Guided(Extension):
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine) -> None:  # an LLMEngine
         cfg, runner = engine.config, engine.model_runner
         self.device, self.eos = runner.device, frozenset(engine.scheduler.eos_token_ids)
         # the tokenizer's ids: the logits' ids past them (padding) have no text, and are refused
@@ -142,13 +123,16 @@ class Guided(Extension):
         self.rows_per_filler = ROWS_PER_FILLER
         self.fillers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(WORKERS)]
         # made once: the masks (rows, V / 32) and the masked rows (rows,) on the host, pinned on
-        # CUDA; `copied` marks the end of their last copies to the GPU
-        k = cfg.num_speculative_tokens if cfg.speculative_method else 0  # a row per draft too
-        cuda = self.device.type == "cuda"
-        buffers = (xgr.allocate_token_bitmask(cfg.max_num_seqs * (1 + k), self.vocab_size),
-                   torch.zeros(cfg.max_num_seqs * (1 + k), dtype=torch.int32))
+        # CUDA; a row per sequence, and per draft with speculative decoding
+        drafts = cfg.num_speculative_tokens if cfg.speculative_method else 0
+        rows, cuda = cfg.max_num_seqs * (1 + drafts), self.device.type == "cuda"
+        buffers = xgr.allocate_token_bitmask(rows, self.vocab_size), torch.zeros(rows).int()
         self.bitmask, self.rows = (b.pin_memory() for b in buffers) if cuda else buffers
-        self.copied: torch.cuda.Event | None = None
+        self.filled = self.bitmask.numpy()  # the masks as xgrammar fills them (cheaper to pass)
+        # on CUDA: the masks' copy on the device, and the masking's graphs by their logits' place
+        self.on_device = torch.empty_like(self.bitmask, device=self.device) if cuda else None
+        self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
+        self.graph_rows, self.capturing = GRAPH_ROWS, torch.cuda.Stream() if cuda else None
         # per guided sequence, as long as it lives: its compiled grammar, then its Guide
         self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
@@ -160,66 +144,89 @@ class Guided(Extension):
             self.grammars[seq] = self.compiling.submit(
                 self.compiler.compile_grammar, parse(*seq.params.guided_decoding.source))
 
-    def guide(self, seq: Sequence) -> Guide:
-        """seq's Guide, made on first use (waiting for its grammar to compile)."""
-        if (guide := self.guides.get(seq)) is None:
-            self.on_request(seq, streamed=False)  # (a request that came before the extension)
-            guide = self.guides[seq] = Guide(xgr.GrammarMatcher(self.grammars[seq].result()))
-        return guide
-
-    def before_sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+    def before_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits (S, V) with -inf where a guided row's grammar refuses the token."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.guided_decoding is not None]
         if not rows:
             return logits
-        num_rows = Counter(seqs[i] for i in rows)  # a sequence's row, then one per draft
-        guides = {seq: self.guide(seq) for seq in num_rows}
-        # with overlap scheduling a sequence may end in the step in flight's token: wait for it
-        pending = any(seq.token_ids[-1] == PENDING for seq in guides)
-        in_flight = dict(zip(self.last[0], self.last[1].tolist())) if pending else {}
-        if self.copied is not None:  # the buffers' last copies left them (in decode long since:
-            # they came before the tokens waited for above)
-            self.copied.synchronize()
-        self._catch_up(num_rows, guides, in_flight)
-        live = [(i, m) for i, m in zip(rows, row_matchers(seqs, rows, guides, num_rows)) if m]
+        # the last step's tokens (with overlap scheduling a sequence may end in the step in
+        # flight's): waiting for them also waits for the buffers' last copies, queued before them
+        in_flight = dict(zip(self.last[0], self.last[1].tolist())) if self.last else {}
+        masked, matchers = self._live_rows(seqs, rows, in_flight)  # the rows to mask, and how
         # filler j fills every n-th row from the j-th, on the pool's threads past one filler, in
         # C++ alone (Python in n threads would queue for the GIL)
-        n = max(1, min(len(self.fillers), len(live) // self.rows_per_filler))
-        fills = [functools.partial(filler.batch_fill_next_token_bitmask, [m for _, m in live[j::n]],
-                                   self.bitmask, [i for i, _ in live[j::n]])
-                 for j, filler in enumerate(self.fillers[:n])]
+        n = max(1, min(len(self.fillers), len(masked) // self.rows_per_filler))
+        fills = [functools.partial(f.batch_fill_next_token_bitmask, matchers[j::n], self.filled,
+                                   masked[j::n]) for j, f in enumerate(self.fillers[:n])]
         list(map(operator.call, fills) if n == 1 else self.filling.map(operator.call, fills))
         if any(seqs[i].params.logprobs is not None for i in rows):
             logits = logits.clone()  # the model's own logits stay for the logprobs
-        bitmask, index = self.bitmask[:len(seqs)], None  # None: every row is masked
-        if len(live) < len(seqs):  # the masked rows' index
-            index = self.rows[:len(live)]
-            index.numpy()[:] = [i for i, _ in live]
+        self.rows.numpy()[:len(masked)] = masked  # their index (None: every row is masked)
+        self._mask(logits, self.rows[:len(masked)] if len(masked) < len(seqs) else None)
+        return logits
+
+    def _mask(self, logits: torch.Tensor, index: torch.Tensor | None) -> None:
+        """Launch the masking. On CUDA up to graph_rows rows, all masked, replay it as a graph
+        captured at the logits' place the first time it is seen: one launch for the copy and
+        xgrammar's kernel (and the padding's write), a fifth of their host time."""
+        key = (logits.data_ptr(), logits.dtype, *logits.shape, *logits.stride())
+        if index is None and (graph := self.graphs.get(key)) is not None:
+            return graph.replay()
+        self._launch(logits, index)
+        if (self.device.type == "cuda" and index is None and len(logits) <= self.graph_rows
+                and len(self.graphs) < MAX_GRAPHS):
+            graph = self.graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self.capturing):  # captured, not run
+                graph.capture_begin(capture_error_mode="thread_local")
+                self._launch(logits, index)
+                graph.capture_end()
+
+    def _launch(self, logits: torch.Tensor, index: torch.Tensor | None) -> None:
+        bitmask = self.bitmask[:len(logits)]
         if self.device.type == "cuda":  # queued after the forward pass, from pinned memory
-            bitmask = bitmask.to(self.device, non_blocking=True)
+            bitmask = self.on_device[:len(logits)].copy_(bitmask, non_blocking=True)
             index = None if index is None else index.to(self.device, non_blocking=True)
-            self.copied = torch.cuda.current_stream().record_event()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=index)
         if self.vocab_size < logits.shape[-1]:
             logits[slice(None) if index is None else index, self.vocab_size:] = float("-inf")
-        return logits
 
-    def _catch_up(self, num_rows: Counter[Sequence], guides: dict[Sequence, Guide],
-                  in_flight: dict[Sequence, int]) -> None:
-        """The matchers of the sequences (with their rows) take the tokens their sequences hold
-        and they have not taken, but the drafts (a draft's row takes its mask from a fork). One
-        call a token: xgrammar's batch call holds Python's lock as long and adds a list."""
-        for seq, rows in num_rows.items():
-            guide = guides[seq]
-            end = len(seq.token_ids) - (rows - 1)  # the drafts are the rows after the first
-            tokens = seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:end]
-            for token in tokens:
-                token = in_flight.get(seq, token) if token == PENDING else token
-                guide.matcher.accept_token(token)
-                if token in self.eos:  # only a stop token ends a grammar: then ask the matcher
-                    guide.done = guide.matcher.is_terminated()
-            guide.num_tokens += len(tokens)
+    def _live_rows(self, seqs: list[Sequence], rows: list[int], in_flight: dict[Sequence, int]
+                   ) -> tuple[list[int], list[xgr.GrammarMatcher]]:
+        """The guided rows to mask, and the matcher of each: its sequence's, once it took the
+        tokens the sequence holds and it had not, but the drafts; with speculative decoding a
+        draft's row, a fork that took the drafts before the row (none where the grammar refuses
+        one: verification then stops before the row). A matcher whose grammar ended masks none."""
+        num_rows = Counter([seqs[i] for i in rows])  # a sequence's row, then one per draft
+        masked, matchers, j, matcher = [], [], 0, None
+        for i in rows:
+            seq = seqs[i]
+            if i > 0 and seqs[i - 1] is seq:  # draft j's row: row j-1's matcher after draft j-1
+                j, fork = j + 1, matcher and matcher.fork()  # (drafts: the last num_rows - 1)
+                taken = fork and fork.accept_token(seq.token_ids[j - num_rows[seq]])
+                matcher = fork if taken and not fork.is_terminated() else None
+            else:
+                j, matcher = 0, self._catch_up(seq, num_rows[seq], in_flight)
+            if matcher is not None:
+                masked.append(i)
+                matchers.append(matcher)
+        return masked, matchers
 
-    def after_sample(self, logits: Tensor, token_ids: Tensor, seqs: list[Sequence],
-                     out: StepOutput) -> None:
+    def _catch_up(self, seq: Sequence, rows: int, in_flight: dict) -> xgr.GrammarMatcher | None:
+        """seq's matcher (None once its grammar ended) after it takes the tokens seq holds and
+        it has not taken, but the drafts: one call a token (xgrammar's batch call holds Python's
+        lock as long and adds a list). Its Guide is made on first use, once the grammar compiled."""
+        if (guide := self.guides.get(seq)) is None:
+            self.on_request(seq, streamed=False)  # (a request that came before the extension)
+            guide = self.guides[seq] = Guide(xgr.GrammarMatcher(self.grammars[seq].result()))
+        # the drafts, the last rows - 1 tokens, are not taken
+        tokens = seq.token_ids[seq.num_prompt_tokens + guide.num_tokens:seq.num_tokens - rows + 1]
+        for token in tokens:
+            token = in_flight.get(seq, token) if token == PENDING else token
+            guide.matcher.accept_token(token)
+            if token in self.eos:  # only a stop token ends a grammar: then ask the matcher
+                guide.done = guide.matcher.is_terminated()
+        guide.num_tokens += len(tokens)
+        return None if guide.done else guide.matcher
+
+    def after_sample(self, logits, token_ids, seqs, out: StepOutput) -> None:
         self.last = seqs, out
