@@ -419,22 +419,27 @@ def test_guided_decoding_on_the_gpu(model_dir):
 def test_guided_masking_graphs_on_the_gpu(model_dir):
     """Batches of 1, 2 and 4 rows, all guided, mask by replaying a CUDA graph captured at their
     logits' place: the same tokens as with the copy and the masking launched one by one
-    (graph_rows 0). An unguided row next to a guided one afterwards is not masked: its tokens
-    leave the regex's (its first digit 2-5), as a random model's do."""
+    (graph_rows 0). A mixed batch whose logits lie where a graph was captured launches its
+    masking instead: its unguided row is left as it was."""
     from nanoserve import GuidedDecodingParams
     guided = SamplingParams(temperature=0, max_tokens=24,
                             guided_decoding=GuidedDecodingParams(regex="(t[2-5][0-9]*){4,8}"))
-    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(model_dir, max_model_len=1024, num_kvcache_blocks=1024) as llm:
-        ext, tokens = llm.switched_on["guided"], {}
+        ext, tokens = llm.switch_on("guided"), {}
         for graph_rows in (0, ext.graph_rows):
             ext.graph_rows = graph_rows
             tokens[graph_rows] = [[o["token_ids"] for o in llm.generate(
                 prompts(n), guided, use_tqdm=False)] for n in (1, 2, 4, 1, 2, 4)]
             assert len(ext.graphs) >= 3 if graph_rows else not ext.graphs
         assert tokens[0] == tokens[ext.graph_rows]
-        mixed = llm.generate(prompts(2), [guided, plain], use_tqdm=False)
-    assert any(str(t)[0] not in "2345" for t in mixed[1]["token_ids"])
+        torch.cuda.synchronize()
+        ext.filled[:2], ext.rows[0] = 0, 0  # rows 0 and 1 refuse every token
+        logits = torch.zeros(2, ext.vocab_size, device="cuda")
+        for _ in range(2):  # launched and captured, then replayed
+            ext._mask(logits.zero_(), None)
+            assert torch.isinf(logits).all()
+        ext._mask(logits.zero_(), ext.rows[:1])  # row 0 guided, row 1 not
+        assert torch.isinf(logits[0]).all() and not torch.isinf(logits[1]).any()
 
 
 @pytest.mark.parametrize("engine", ["hf", "hf-cb"])
