@@ -120,7 +120,7 @@ class Guided(Extension):
         self.compiling = ThreadPoolExecutor(4, "nanoserve-grammar")
         # a filler for each thread of the filling pool, rows_per_filler rows or more each
         self.filling = ThreadPoolExecutor(WORKERS, "nanoserve-fill")
-        self.rows_per_filler = ROWS_PER_FILLER
+        self.rows_per_filler, self.graph_rows = ROWS_PER_FILLER, GRAPH_ROWS
         self.fillers = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(WORKERS)]
         # made once: the masks (rows, V / 32) and the masked rows (rows,) on the host, pinned on
         # CUDA; a row per sequence, and per draft with speculative decoding
@@ -129,10 +129,10 @@ class Guided(Extension):
         buffers = xgr.allocate_token_bitmask(rows, self.vocab_size), torch.zeros(rows).int()
         self.bitmask, self.rows = (b.pin_memory() for b in buffers) if cuda else buffers
         self.filled = self.bitmask.numpy()  # the masks as xgrammar fills them (cheaper to pass)
-        # on CUDA: the masks' copy on the device, and the masking's graphs by their logits' place
+        # on CUDA: the masks' copy on the device; the masking's CUDA graphs by their logits'
+        # place (address, dtype, shape, strides), captured on a stream of their own
         self.on_device = torch.empty_like(self.bitmask, device=self.device) if cuda else None
-        self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
-        self.graph_rows, self.capturing = GRAPH_ROWS, torch.cuda.Stream() if cuda else None
+        self.graphs, self.capturing = {}, torch.cuda.Stream() if cuda else None
         # per guided sequence, as long as it lives: its compiled grammar, then its Guide
         self.grammars: weakref.WeakKeyDictionary[Sequence, Future] = weakref.WeakKeyDictionary()
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
@@ -167,18 +167,19 @@ class Guided(Extension):
 
     def _mask(self, logits: torch.Tensor, index: torch.Tensor | None) -> None:
         """Launch the masking. On CUDA up to graph_rows rows, all masked, replay it as a graph
-        captured at the logits' place the first time it is seen: one launch for the copy and
-        xgrammar's kernel (and the padding's write), a fifth of their host time."""
+        captured at the logits' place the first time it is seen (launched then): one launch for
+        the copy and xgrammar's kernel (and the padding's write), a fifth of their host time."""
+        if self.capturing is None or index is not None or len(logits) > self.graph_rows:
+            return self._launch(logits, index)
         key = (logits.data_ptr(), logits.dtype, *logits.shape, *logits.stride())
-        if index is None and (graph := self.graphs.get(key)) is not None:
+        if (graph := self.graphs.get(key)) is not None:
             return graph.replay()
-        self._launch(logits, index)
-        if (self.device.type == "cuda" and index is None and len(logits) <= self.graph_rows
-                and len(self.graphs) < MAX_GRAPHS):
+        self._launch(logits, None)
+        if len(self.graphs) < MAX_GRAPHS:
             graph = self.graphs[key] = torch.cuda.CUDAGraph()
             with torch.cuda.stream(self.capturing):  # captured, not run
                 graph.capture_begin(capture_error_mode="thread_local")
-                self._launch(logits, index)
+                self._launch(logits, None)
                 graph.capture_end()
 
     def _launch(self, logits: torch.Tensor, index: torch.Tensor | None) -> None:
