@@ -167,8 +167,8 @@ class Guided(Extension):
 
     def _mask(self, logits: torch.Tensor, index: torch.Tensor | None) -> None:
         """Launch the masking. On CUDA up to graph_rows rows, all masked, replay it as a graph
-        captured at the logits' place the first time it is seen (launched then): one launch for
-        the copy and xgrammar's kernel (and the padding's write), a fifth of their host time."""
+        captured at the logits' place the first time it is seen (launched then): one launch in
+        place of the copy's, xgrammar's kernel's and the padding write's."""
         if self.capturing is None or index is not None or len(logits) > self.graph_rows:
             return self._launch(logits, index)
         key = (logits.data_ptr(), logits.dtype, *logits.shape, *logits.stride())
